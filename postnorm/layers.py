@@ -1,0 +1,105 @@
+"""Transformer sublayers: RMSNorm, rotary positions, causal attention and the SwiGLU FFN.
+
+Matrices are stored ``[fan_in, fan_out]`` with logical axis names for sharding:
+``embed`` (d_model), ``heads`` (n_heads * head_dim), ``mlp`` (d_ff), ``vocab``.
+Reductions (norm statistics, softmax) run in float32 whatever the compute dtype.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from postnorm.initializers import kernel_init
+
+
+def dense_kernel(module: nn.Module, name: str, shape: tuple[int, int], axes: tuple[str, str],
+                 init: str) -> jax.Array:
+    """A ``[fan_in, fan_out]`` float32 kernel with logical partitioning."""
+    return module.param(name, nn.with_logical_partitioning(kernel_init(init), axes), shape,
+                        jnp.float32)
+
+
+class RMSNorm(nn.Module):
+    """z = scale * y / sqrt(mean(y^2) + eps), statistics in float32; scale starts at 1."""
+
+    eps: float
+
+    @nn.compact
+    def __call__(self, y_BxLxD: jax.Array) -> jax.Array:
+        d = y_BxLxD.shape[-1]
+        scale_D = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                             (d,), jnp.float32)
+        y32 = y_BxLxD.astype(jnp.float32)
+        inv_rms = jax.lax.rsqrt(jnp.mean(y32 * y32, axis=-1, keepdims=True) + self.eps)
+        return (y32 * inv_rms * scale_D).astype(y_BxLxD.dtype)
+
+
+def rotary_embedding(x_BxLxHxK: jax.Array, base: float) -> jax.Array:
+    """Rotate pairs (i, i + K/2) of each head vector by position-dependent angles (RoPE)."""
+    length, head_dim = x_BxLxHxK.shape[1], x_BxLxHxK.shape[3]
+    half = head_dim // 2
+    inv_freq_K2 = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_LxK2 = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq_K2[None, :]
+    sin = jnp.sin(angle_LxK2)[None, :, None, :]
+    cos = jnp.cos(angle_LxK2)[None, :, None, :]
+    x1, x2 = x_BxLxHxK[..., :half].astype(jnp.float32), x_BxLxHxK[..., half:].astype(jnp.float32)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x_BxLxHxK.dtype)
+
+
+def causal_attention_weights(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array) -> jax.Array:
+    """Softmax(q k^T / sqrt(K)) with a causal mask, in float32: [B, H, L, L]."""
+    head_dim = q_BxLxHxK.shape[-1]
+    logits_BxHxLxL = jnp.einsum("blhk,bmhk->bhlm", q_BxLxHxK, k_BxLxHxK,
+                                preferred_element_type=jnp.float32) / jnp.sqrt(head_dim)
+    length = q_BxLxHxK.shape[1]
+    causal_LxL = jnp.tril(jnp.ones((length, length), dtype=bool))
+    logits_BxHxLxL = jnp.where(causal_LxL, logits_BxHxLxL, jnp.finfo(jnp.float32).min)
+    return jax.nn.softmax(logits_BxHxLxL, axis=-1)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal softmax attention with separate W_Q, W_K, W_V, W_O and no biases."""
+
+    n_heads: int
+    init_scheme: str
+    positions: str
+    rope_base: float
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        batch, length, d = x_BxLxD.shape
+        head_dim = d // self.n_heads
+        x = x_BxLxD.astype(self.dtype)
+
+        def project(name: str) -> jax.Array:
+            w_DxD = dense_kernel(self, name, (d, d), ("embed", "heads"), self.init_scheme)
+            return (x @ w_DxD.astype(self.dtype)).reshape(batch, length, self.n_heads, head_dim)
+
+        q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = project("w_q"), project("w_k"), project("w_v")
+        if self.positions == "rope":
+            q_BxLxHxK = rotary_embedding(q_BxLxHxK, self.rope_base)
+            k_BxLxHxK = rotary_embedding(k_BxLxHxK, self.rope_base)
+        probs_BxHxLxL = causal_attention_weights(q_BxLxHxK, k_BxLxHxK)
+        out_BxLxHxK = jnp.einsum("bhlm,bmhk->blhk", probs_BxHxLxL.astype(self.dtype), v_BxLxHxK)
+        w_o_DxD = dense_kernel(self, "w_o", (d, d), ("heads", "embed"), self.init_scheme)
+        return out_BxLxHxK.reshape(batch, length, d) @ w_o_DxD.astype(self.dtype)
+
+
+class SwiGLU(nn.Module):
+    """FFN(x) = (SiLU(x W_gate) * (x W_up)) W_down; W_gate, W_up: d x d_ff, W_down: d_ff x d."""
+
+    d_ff: int
+    init_scheme: str
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        d = x_BxLxD.shape[-1]
+        x = x_BxLxD.astype(self.dtype)
+        w_gate = dense_kernel(self, "w_gate", (d, self.d_ff), ("embed", "mlp"), self.init_scheme)
+        w_up = dense_kernel(self, "w_up", (d, self.d_ff), ("embed", "mlp"), self.init_scheme)
+        w_down = dense_kernel(self, "w_down", (self.d_ff, d), ("mlp", "embed"), self.init_scheme)
+        hidden_BxLxF = nn.silu(x @ w_gate.astype(self.dtype)) * (x @ w_up.astype(self.dtype))
+        return hidden_BxLxF @ w_down.astype(self.dtype)

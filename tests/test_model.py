@@ -1,0 +1,141 @@
+"""Model tests: shapes, parameter count, causality, numpy reference forward, sublayers, init."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from postnorm.initializers import INIT_SCHEMES, kernel_init, kernel_variance
+from postnorm.layers import CausalSelfAttention, RMSNorm, SwiGLU, causal_attention_weights
+from postnorm.model import Decoder, ModelSpec, param_count_formula
+from tests import numpy_reference as ref
+
+TINY = dict(vocab_size=50, max_len=12, n_layers=3, d_model=16, n_heads=4, d_ff=24)
+
+
+def init_params(spec: ModelSpec, seed: int = 0):
+    tokens = jnp.zeros((1, spec.max_len), jnp.int32)
+    return nn.unbox(Decoder(spec).init(jax.random.key(seed), tokens)["params"])
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+@pytest.mark.parametrize("positions", ["rope", "learned", "none"])
+@pytest.mark.parametrize("tie", [False, True])
+def test_shapes_and_param_count(norm, positions, tie):
+    spec = ModelSpec(**TINY, norm=norm, positions=positions, tie_embeddings=tie)
+    params = init_params(spec)
+    assert sum(x.size for x in jax.tree.leaves(params)) == param_count_formula(spec)["total"]
+    assert params["layers"]["attn"]["w_q"].shape == (3, 16, 16)
+    assert params["layers"]["ffn"]["w_down"].shape == (3, 24, 16)
+    tokens = jnp.arange(2 * 12).reshape(2, 12) % 50
+    assert Decoder(spec).apply({"params": params}, tokens).shape == (2, 12, 50)
+
+
+def test_paper_param_count():
+    spec = ModelSpec(vocab_size=32128, max_len=2048, n_layers=48, d_model=512, n_heads=4,
+                     d_ff=1536, tie_embeddings=True)
+    counts = param_count_formula(spec)
+    assert counts["layers"] == 48 * (4 * 512**2 + 3 * 512 * 1536 + 2 * 512)
+    assert 175e6 < counts["total"] < 185e6
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_causal_gradients_through_positions(norm):
+    """d logits_i / d pos_embedding_j is zero for every j > i (and nonzero for j <= i)."""
+    spec = ModelSpec(**TINY, norm=norm, positions="learned")
+    params = init_params(spec)
+    tokens = jnp.arange(12)[None] % 50
+    model = Decoder(spec)
+    for i in (0, 5, 11):
+        def logit_sum(pos, i=i):
+            p = {**params, "pos_embedding": pos}
+            return model.apply({"params": p}, tokens)[0, i].sum()
+        grad_LxD = jax.grad(logit_sum)(params["pos_embedding"])
+        norms = np.linalg.norm(np.asarray(grad_LxD), axis=1)
+        assert np.all(norms[i + 1:] == 0.0)
+        assert np.all(norms[: i + 1] > 0.0)
+
+
+def test_causal_token_perturbation_rope():
+    spec = ModelSpec(**TINY, norm="post", positions="rope")
+    params = init_params(spec)
+    model = Decoder(spec)
+    tokens = jnp.arange(12)[None] % 50
+    base = model.apply({"params": params}, tokens)
+    changed = model.apply({"params": params}, tokens.at[0, 7].set(42))
+    np.testing.assert_array_equal(base[0, :7], changed[0, :7])
+    assert not np.allclose(base[0, 7:], changed[0, 7:])
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+@pytest.mark.parametrize("positions,tie", [("rope", False), ("learned", True), ("none", False)])
+def test_matches_numpy_forward(norm, positions, tie):
+    spec = ModelSpec(**TINY, norm=norm, positions=positions, tie_embeddings=tie)
+    params = init_params(spec, seed=3)
+    tokens = np.random.default_rng(0).integers(0, 50, size=(2, 12))
+    logits = np.asarray(Decoder(spec).apply({"params": params}, jnp.asarray(tokens)))
+    for b in range(2):
+        expected = ref.forward(jax.tree.map(np.asarray, params), tokens[b], n_layers=3,
+                               n_heads=4, norm=norm, positions=positions, eps=spec.norm_eps,
+                               rope_base=spec.rope_base, tie=tie)
+        np.testing.assert_allclose(logits[b], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_rms_norm_unit():
+    y = np.random.default_rng(1).normal(size=(2, 3, 8)).astype(np.float32) * 5
+    scale = np.linspace(0.5, 2.0, 8).astype(np.float32)
+    out = RMSNorm(eps=1e-6).apply({"params": {"scale": scale}}, jnp.asarray(y))
+    np.testing.assert_allclose(out, ref.rms_norm(y.astype(np.float64), scale, 1e-6), rtol=1e-5)
+    unit = RMSNorm(eps=0.0).apply({"params": {"scale": np.ones(8, np.float32)}}, jnp.asarray(y))
+    np.testing.assert_allclose(np.sqrt(np.mean(np.square(unit), -1)), 1.0, rtol=1e-5)
+
+
+def test_swiglu_unit():
+    module = SwiGLU(d_ff=12, init_scheme="lecun_normal", dtype=jnp.float32)
+    x = jax.random.normal(jax.random.key(0), (2, 5, 8))
+    params = nn.unbox(module.init(jax.random.key(1), x)["params"])
+    expected = ref.swiglu(np.asarray(x, np.float64),
+                          {k: np.asarray(v, np.float64) for k, v in params.items()})
+    np.testing.assert_allclose(module.apply({"params": params}, x), expected, rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_attention_is_causal_softmax_and_uniform_on_identical_tokens():
+    q = jax.random.normal(jax.random.key(0), (1, 6, 2, 4))
+    k = jax.random.normal(jax.random.key(1), (1, 6, 2, 4))
+    probs = np.asarray(causal_attention_weights(q, k))
+    np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-6)
+    assert np.all(np.triu(probs[0, 0], k=1) == 0)
+    same_k = jnp.broadcast_to(k[:, :1], k.shape)  # identical keys -> prefix averaging P
+    uniform = np.asarray(causal_attention_weights(q, same_k))[0, 0]
+    np.testing.assert_allclose(uniform, np.tril(np.ones((6, 6))) / np.arange(1, 7)[:, None],
+                               rtol=1e-6)
+
+
+@pytest.mark.parametrize("scheme", INIT_SCHEMES)
+def test_init_variance(scheme):
+    fan_in, fan_out = 512, 1536
+    w = np.asarray(kernel_init(scheme)(jax.random.key(0), (fan_in, fan_out), jnp.float32))
+    expected = kernel_variance(scheme, fan_in, fan_out)
+    # The sample variance of 786k iid entries has relative std ~ sqrt(2/N) < 0.2%.
+    np.testing.assert_allclose(w.var(), expected, rtol=0.01)
+    assert abs(w.mean()) < 5 * np.sqrt(expected / w.size)
+    if scheme == "torch_default":
+        assert np.abs(w).max() <= 1 / np.sqrt(fan_in)
+
+
+def test_attention_energy_on_identical_tokens_is_s():
+    """With identical tokens attention is x W_V W_O, so E||Attn(X)||^2/||X||^2 = d^2 s_V^2 s_O^2."""
+    d, n = 128, 8
+    module = CausalSelfAttention(n_heads=4, init_scheme="torch_default", positions="rope",
+                                 rope_base=1e4, dtype=jnp.float32)
+    ratios = []
+    for seed in range(32):
+        x_D = jax.random.normal(jax.random.key(1000 + seed), (d,))
+        x_1xNxD = jnp.broadcast_to(x_D, (1, n, d))
+        params = module.init(jax.random.key(seed), x_1xNxD)
+        out = module.apply(params, x_1xNxD)
+        ratios.append(float(jnp.sum(out**2) / jnp.sum(x_1xNxD**2)))
+    s = d**2 * kernel_variance("torch_default", d, d) ** 2
+    np.testing.assert_allclose(np.mean(ratios), s, rtol=0.1)
