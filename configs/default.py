@@ -1,0 +1,81 @@
+"""Default: a deep, narrow model on the embedded corpus, sized for a laptop CPU.
+
+48 layers, d=64, 4 heads, d_ff=192, n=128. Variants: ``post`` (the default placement) and
+``pre``. Example: ``--config configs/default.py:pre,lr=3e-3``.
+"""
+
+import ml_collections
+
+from postnorm.config_args import apply_arg
+
+
+def base_config() -> ml_collections.ConfigDict:
+    """Every field the trainer reads, with CPU-sized defaults."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+
+    c.model = ml_collections.ConfigDict()
+    c.model.n_layers = 48
+    c.model.d_model = 64
+    c.model.n_heads = 4
+    c.model.d_ff = 192
+    c.model.norm = "post"  # post | pre
+    c.model.positions = "rope"  # rope | learned | none
+    c.model.init = "torch_default"  # torch_default | normal_0.02 | lecun_normal | xavier
+    c.model.tie_embeddings = False
+    c.model.norm_eps = 1e-6
+    c.model.rope_base = 10000.0
+    c.model.dtype = "float32"  # float32 | bfloat16 (compute dtype; params stay float32)
+
+    c.data = ml_collections.ConfigDict()
+    c.data.source = "embedded"  # embedded | c4 | text_files
+    c.data.data_dir = "~/tensorflow_datasets"
+    c.data.text_files = ""
+    c.data.c4_version = "3.0.1"
+    c.data.seq_len = 128
+    c.data.batch_size = 16  # global, over all processes and devices
+    c.data.tokenizer = "sentencepiece"  # sentencepiece | byte
+    c.data.vocab_size = 8192
+    c.data.tokenizer_path = ""
+    c.data.lfreq_sample_docs = 0
+
+    c.opt = ml_collections.ConfigDict()
+    c.opt.lr = 1e-3
+    c.opt.schedule = "cosine"  # cosine | constant (both after linear warmup)
+    c.opt.warmup_steps = 20
+    c.opt.min_lr_ratio = 0.1
+    c.opt.b1 = 0.9
+    c.opt.b2 = 0.95
+    c.opt.eps = 1e-8
+    c.opt.weight_decay = 0.1
+    c.opt.decay_norms_and_embeddings = False
+    c.opt.clip_norm = 0.0  # 0 disables global-norm clipping
+
+    c.train = ml_collections.ConfigDict()
+    c.train.steps = 300
+    c.train.log_every = 10
+    c.train.eval_every = 100
+    c.train.eval_batches = 4
+    c.train.ckpt_every = 100
+    c.train.keep_ckpts = 3
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = -1  # -1: all devices not used by fsdp and tensor
+    c.mesh.fsdp = 1
+    c.mesh.tensor = 1
+    return c
+
+
+def _post(c: ml_collections.ConfigDict) -> None:
+    c.model.norm = "post"
+
+
+def _pre(c: ml_collections.ConfigDict) -> None:
+    c.model.norm = "pre"
+
+
+VARIANTS = {"post": _post, "pre": _pre}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    return apply_arg(base_config(), arg, VARIANTS)

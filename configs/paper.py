@@ -1,0 +1,65 @@
+"""The paper's setup: 48 layers, d=512, d_ff=1536, 4 heads, n=2048, C4 with a 32k vocab.
+
+Point ``data.data_dir`` at a TFDS data_dir holding ``c4/en/3.0.1`` in array_record format
+(docs/C4.md) and ``data.tokenizer_path`` at a SentencePiece model (e.g. the T5 32k vocab):
+
+    python main.py --config configs/paper.py:data.data_dir=gs://bucket/tfds,\
+data.tokenizer_path=/path/spm32k.model --workdir runs/paper
+
+Embeddings are tied, which gives the ~180M parameters of the paper (untied: ~196M).
+Variants: ``post``, ``pre``, and ``runlocal``, which keeps the width and placement but shrinks
+depth, length and batch to train a few steps on a CPU against the embedded corpus.
+"""
+
+import ml_collections
+
+from configs import default
+from postnorm.config_args import apply_arg
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = default.base_config()
+    c.model.n_layers = 48
+    c.model.d_model = 512
+    c.model.n_heads = 4
+    c.model.d_ff = 1536
+    c.model.tie_embeddings = True
+
+    c.data.source = "c4"
+    c.data.seq_len = 2048
+    c.data.batch_size = 64
+    c.data.tokenizer_path = "spm_t5_32k.model"
+    c.data.lfreq_sample_docs = 20000
+
+    c.opt.lr = 3e-4
+    c.opt.warmup_steps = 2000
+    c.opt.clip_norm = 1.0
+
+    c.train.steps = 100_000
+    c.train.log_every = 50
+    c.train.eval_every = 2000
+    c.train.eval_batches = 16
+    c.train.ckpt_every = 2000
+    return c
+
+
+def _runlocal(c: ml_collections.ConfigDict) -> None:
+    c.model.n_layers = 4
+    c.data.source = "embedded"
+    c.data.tokenizer_path = ""
+    c.data.lfreq_sample_docs = 0
+    c.data.seq_len = 128
+    c.data.batch_size = 4
+    c.opt.warmup_steps = 2
+    c.train.steps = 5
+    c.train.log_every = 1
+    c.train.eval_every = 5
+    c.train.eval_batches = 1
+    c.train.ckpt_every = 5
+
+
+VARIANTS = {**default.VARIANTS, "runlocal": _runlocal}
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    return apply_arg(base_config(), arg, VARIANTS)

@@ -1,0 +1,68 @@
+"""Config-file arguments: ``configs/default.py:pre,lr=3e-3,model.n_layers=24``.
+
+The part after the colon is a comma-separated list. A bare word names a variant that the
+config file defines; ``key=value`` overrides a field. Keys are dotted paths into the config
+(``opt.lr``) or one of the short aliases below. Values are parsed to the type of the field
+they replace; an unknown key or variant raises ``ValueError`` naming it.
+"""
+
+from collections.abc import Callable, Mapping
+
+import ml_collections
+
+ALIASES = {
+    "lr": "opt.lr",
+    "steps": "train.steps",
+    "layers": "model.n_layers",
+    "depth": "model.n_layers",
+    "norm": "model.norm",
+    "init": "model.init",
+    "batch": "data.batch_size",
+    "seq_len": "data.seq_len",
+}
+
+Variant = Callable[[ml_collections.ConfigDict], None]
+
+
+def _parse_value(text: str, current: object, key: str) -> object:
+    if isinstance(current, bool):
+        if text.lower() in ("true", "1", "yes"):
+            return True
+        if text.lower() in ("false", "0", "no"):
+            return False
+        raise ValueError(f"{key}={text!r}: expected a boolean (true/false)")
+    for kind in (int, float):
+        if isinstance(current, kind):
+            try:
+                return kind(float(text)) if kind is int and float(text).is_integer() else kind(text)
+            except ValueError as err:
+                raise ValueError(f"{key}={text!r}: expected {kind.__name__}") from err
+    return text
+
+
+def set_field(config: ml_collections.ConfigDict, key: str, text: str) -> None:
+    """Set the dotted field ``key`` (or alias) of ``config`` from the string ``text``."""
+    path = ALIASES.get(key, key)
+    node = config
+    *parents, leaf = path.split(".")
+    for part in parents:
+        if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
+            raise ValueError(f"unknown config key {key!r} (no section {part!r})")
+        node = node[part]
+    if leaf not in node:
+        raise ValueError(f"unknown config key {key!r}; known in this section: {sorted(node)}")
+    node[leaf] = _parse_value(text, node[leaf], path)
+
+
+def apply_arg(config: ml_collections.ConfigDict, arg: str | None,
+              variants: Mapping[str, Variant]) -> ml_collections.ConfigDict:
+    """Apply the variants and overrides of ``arg`` to ``config``, in order; returns it."""
+    for token in filter(None, (t.strip() for t in (arg or "").split(","))):
+        if "=" in token:
+            key, _, value = token.partition("=")
+            set_field(config, key.strip(), value.strip())
+        elif token in variants:
+            variants[token](config)
+        else:
+            raise ValueError(f"unknown config variant {token!r}; known: {sorted(variants)}")
+    return config

@@ -1,0 +1,94 @@
+"""Metric output: TensorBoard event files, ``metrics.jsonl`` and a progress line with ETA.
+
+TensorBoard events are written with tensorboardX (clu's metric writers import TensorFlow).
+Only process 0 writes. Per-layer keys carry a zero-padded layer index (``layer_07``).
+"""
+
+import json
+import math
+import os
+import time
+from collections.abc import Mapping
+
+import numpy as np
+from tensorboardX import SummaryWriter
+
+JSONL_NAME = "metrics.jsonl"
+
+
+def layer_key(name: str, layer: int, n_layers: int) -> str:
+    """``diag/tsim_attn`` + 7 of 48 -> ``diag/tsim_attn/layer_07``."""
+    width = max(2, len(str(n_layers - 1)))
+    return f"{name}/layer_{layer:0{width}d}"
+
+
+def truncate_jsonl(path: str, last_step: int) -> None:
+    """Drop records after ``last_step`` (a resumed run rewrites the steps it repeats)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= last_step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
+class MetricWriter:
+    """Writes scalars to TensorBoard and ``<workdir>/metrics.jsonl`` (process 0 only)."""
+
+    def __init__(self, workdir: str, *, enabled: bool = True):
+        self.enabled = enabled
+        self.jsonl_path = os.path.join(workdir, JSONL_NAME)
+        self._tb = SummaryWriter(logdir=os.path.join(workdir, "tensorboard")) if enabled else None
+        self._jsonl = open(self.jsonl_path, "a") if enabled else None  # noqa: SIM115
+
+    def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": int(step)}
+        for key, value in scalars.items():
+            value = float(np.asarray(value))
+            record[key] = value if math.isfinite(value) else str(value)
+            self._tb.add_scalar(key, value, global_step=int(step))
+        self._jsonl.write(json.dumps(record) + "\n")
+
+    def flush(self) -> None:
+        if self.enabled:
+            self._jsonl.flush()
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self._jsonl.close()
+            self._tb.close()
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    hours, rem = divmod(seconds, 3600)
+    return f"{hours}h{rem // 60:02d}m" if hours else f"{rem // 60}m{rem % 60:02d}s"
+
+
+class Progress:
+    """Step rate and ETA over the steps since the previous report (compile time excluded)."""
+
+    def __init__(self, total_steps: int, tokens_per_step: int, start_step: int):
+        self.total_steps = total_steps
+        self.tokens_per_step = tokens_per_step
+        self._last_step, self._last_time = start_step, None
+
+    def report(self, step: int, metrics: Mapping[str, float],
+               lfreq: float) -> tuple[str, float | None]:
+        """A one-line summary of ``step`` and the tokens/s since the last report (if known)."""
+        now = time.perf_counter()
+        rate, tokens_per_s = "", None
+        if self._last_time is not None and step > self._last_step:
+            steps_per_s = (step - self._last_step) / (now - self._last_time)
+            tokens_per_s = steps_per_s * self.tokens_per_step
+            eta = (self.total_steps - step) / steps_per_s
+            rate = f" | {tokens_per_s:,.0f} tok/s | ETA {_duration(eta)}"
+        self._last_step, self._last_time = step, now
+        line = (f"step {step}/{self.total_steps} | loss {metrics['train/loss']:.4f} | "
+                f"L_freq {lfreq:.4f} | lr {metrics['train/lr']:.2e}{rate}")
+        return line, tokens_per_s

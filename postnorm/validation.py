@@ -1,0 +1,121 @@
+"""Config validation, run before anything is built or compiled.
+
+Each failure raises ``ConfigError`` naming the field, its value and what is allowed.
+"""
+
+from collections.abc import Callable
+
+import ml_collections
+
+from postnorm.data import check_data_config
+from postnorm.initializers import INIT_SCHEMES
+from postnorm.model import DTYPES, NORM_PLACEMENTS, POSITION_SCHEMES
+from postnorm.sharding import mesh_shape
+
+SCHEDULES = ("cosine", "constant")
+
+
+class ConfigError(ValueError):
+    """An invalid config field; the message names the field and the allowed values."""
+
+
+def _get(config: ml_collections.ConfigDict, path: str):
+    node = config
+    for part in path.split("."):
+        if part not in node:
+            raise ConfigError(f"config field {path} is missing")
+        node = node[part]
+    return node
+
+
+def _require(config, path: str, ok: Callable[[object], bool], allowed: str) -> None:
+    value = _get(config, path)
+    if not ok(value):
+        raise ConfigError(f"{path}={value!r} is invalid: must be {allowed}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _positive_int(config, path: str) -> None:
+    _require(config, path, lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+
+
+def _one_of(config, path: str, choices: tuple[str, ...]) -> None:
+    _require(config, path, lambda v: v in choices, f"one of {list(choices)}")
+
+
+def check_model(config: ml_collections.ConfigDict) -> None:
+    for path in ("model.n_layers", "model.d_model", "model.n_heads", "model.d_ff"):
+        _positive_int(config, path)
+    _one_of(config, "model.norm", NORM_PLACEMENTS)
+    _one_of(config, "model.positions", POSITION_SCHEMES)
+    _one_of(config, "model.init", INIT_SCHEMES)
+    _one_of(config, "model.dtype", tuple(DTYPES))
+    _require(config, "model.tie_embeddings", lambda v: isinstance(v, bool), "true or false")
+    _require(config, "model.norm_eps", lambda v: _is_num(v) and 0 <= v < 1, "in [0, 1)")
+    _require(config, "model.rope_base", lambda v: _is_num(v) and v > 1, "a number > 1")
+    d, heads = config.model.d_model, config.model.n_heads
+    if d % heads:
+        raise ConfigError(f"model.d_model={d} is not divisible by model.n_heads={heads}")
+    if config.model.positions == "rope" and (d // heads) % 2:
+        raise ConfigError(f"model.positions='rope' needs an even head dim, but "
+                          f"model.d_model/model.n_heads = {d}/{heads} = {d // heads}")
+
+
+def check_opt(config: ml_collections.ConfigDict) -> None:
+    _require(config, "opt.lr", lambda v: _is_num(v) and v > 0, "a number > 0")
+    _one_of(config, "opt.schedule", SCHEDULES)
+    _require(config, "opt.warmup_steps", lambda v: _is_int(v) and v >= 0, "an integer >= 0")
+    _require(config, "opt.min_lr_ratio", lambda v: _is_num(v) and 0 <= v <= 1, "in [0, 1]")
+    for path in ("opt.b1", "opt.b2"):
+        _require(config, path, lambda v: _is_num(v) and 0 <= v < 1, "in [0, 1)")
+    _require(config, "opt.eps", lambda v: _is_num(v) and v > 0, "a number > 0")
+    _require(config, "opt.weight_decay", lambda v: _is_num(v) and v >= 0, "a number >= 0")
+    _require(config, "opt.clip_norm", lambda v: _is_num(v) and v >= 0,
+             "a number >= 0 (0 disables clipping)")
+    _require(config, "opt.decay_norms_and_embeddings", lambda v: isinstance(v, bool),
+             "true or false")
+
+
+def check_train(config: ml_collections.ConfigDict) -> None:
+    for path in ("train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
+                 "train.ckpt_every", "train.keep_ckpts"):
+        _positive_int(config, path)
+    _require(config, "seed", _is_int, "an integer")
+
+
+def check_layout(config: ml_collections.ConfigDict, *, device_count: int,
+                 process_count: int) -> None:
+    """Mesh shape against the devices, and batch divisibility over the mesh and processes."""
+    for path in ("mesh.fsdp", "mesh.tensor"):
+        _positive_int(config, path)
+    _require(config, "mesh.data", lambda v: _is_int(v) and (v >= 1 or v == -1),
+             "an integer >= 1, or -1 to use every remaining device")
+    try:
+        data, fsdp, _ = mesh_shape(config.mesh, device_count)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    _positive_int(config, "data.batch_size")
+    batch = config.data.batch_size
+    if batch % (data * fsdp):
+        raise ConfigError(f"data.batch_size={batch} must be divisible by mesh data x fsdp = "
+                          f"{data} x {fsdp} = {data * fsdp}")
+    if batch % process_count:
+        raise ConfigError(f"data.batch_size={batch} must be divisible by the number of "
+                          f"processes ({process_count})")
+
+
+def check_config(config: ml_collections.ConfigDict, *, device_count: int,
+                 process_count: int = 1) -> None:
+    """Validate every field the trainer reads (data fields: ``postnorm.data``)."""
+    check_model(config)
+    check_opt(config)
+    check_train(config)
+    check_layout(config, device_count=device_count, process_count=process_count)
+    check_data_config(config.data)
