@@ -1,0 +1,82 @@
+"""Cheap validation of the data config, run before any compilation or dataset building."""
+
+import os
+
+import ml_collections
+
+from postnorm.data import c4, corpus
+from postnorm.data.errors import DataError
+from postnorm.data.tokenizers import read_user_sentencepiece
+
+SOURCES = ("embedded", "c4", "text_files")
+TOKENIZERS = ("sentencepiece", "byte")
+# 256 byte-fallback pieces, unk/bos/eos, newline and the characters of any real text.
+MIN_SENTENCEPIECE_VOCAB = 300
+FIELDS = (
+    "source",
+    "data_dir",
+    "text_files",
+    "c4_version",
+    "seq_len",
+    "tokenizer",
+    "vocab_size",
+    "tokenizer_path",
+    "lfreq_sample_docs",
+)
+
+
+def _check_writable_dir(field: str, path: str) -> None:
+    """DataError unless `path` exists as a writable directory or can be created."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise DataError(
+            f"{field}={path!r}: {existing} is not a writable directory, so the dataset cannot be "
+            f"prepared there. Set {field} to a writable directory."
+        )
+
+
+def _check_int(cfg: ml_collections.ConfigDict, field: str, minimum: int) -> None:
+    value = cfg[field]
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise DataError(f"data.{field}={value!r}: must be an integer >= {minimum}.")
+
+
+def check_data_config(cfg: ml_collections.ConfigDict) -> None:
+    """Raises DataError, naming the field or path and the fix, for a config that cannot work."""
+    missing = [f for f in FIELDS if f not in cfg]
+    if missing:
+        raise DataError(f"config.data lacks the fields {missing}; see configs/default.py.")
+    if cfg.source not in SOURCES:
+        raise DataError(f"data.source={cfg.source!r}: must be one of {SOURCES}.")
+    if cfg.tokenizer not in TOKENIZERS:
+        raise DataError(f"data.tokenizer={cfg.tokenizer!r}: must be one of {TOKENIZERS}.")
+    _check_int(cfg, "seq_len", 2)
+    _check_int(cfg, "lfreq_sample_docs", 0)
+    data_dir = os.path.expanduser(cfg.data_dir)
+
+    if cfg.source == "c4":
+        c4.check_c4(data_dir, cfg.c4_version)
+    else:
+        _check_writable_dir("data.data_dir", data_dir)
+    if cfg.source == "text_files":
+        if not cfg.text_files:
+            raise DataError("data.source='text_files' needs data.text_files, a glob of files.")
+        paths = corpus.text_file_paths(cfg.text_files)
+        if len(paths) < 2:
+            raise DataError(
+                f"data.text_files={cfg.text_files!r} matches {len(paths)} files; it must match "
+                "at least two (one document per file, and validation needs one). Fix the glob."
+            )
+
+    if cfg.tokenizer == "byte":
+        if cfg.tokenizer_path:
+            raise DataError(
+                f"data.tokenizer_path={cfg.tokenizer_path!r} is set but data.tokenizer='byte' "
+                "uses none; clear it or set data.tokenizer='sentencepiece'."
+            )
+    elif cfg.tokenizer_path:
+        read_user_sentencepiece(cfg.tokenizer_path)
+    else:
+        _check_int(cfg, "vocab_size", MIN_SENTENCEPIECE_VOCAB)

@@ -1,0 +1,81 @@
+"""L_freq: the unigram entropy of the training targets, the loss of a model that ignores context.
+
+A language model whose representations have collapsed can only predict the marginal token
+distribution, so its cross-entropy floors at L_freq = -sum_v p(v) log p(v) (nats/token), with
+p the frequency of v among the training target tokens (the document tokens plus one EOS per
+document, as in the packed stream).
+"""
+
+import json
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+from absl import logging
+
+from postnorm.data.files import write_json_atomic
+from postnorm.data.sources import PreparedSource
+from postnorm.data.tokenizers import Tokenizer
+
+_ENCODE_CHUNK_DOCS = 256
+
+
+def unigram_entropy(counts: np.ndarray) -> float:
+    """-sum p log p in nats of the distribution proportional to `counts`."""
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def target_token_counts(texts: Iterable[str], tokenizer: Tokenizer) -> np.ndarray:
+    """int64[vocab_size] counts of the tokens of `texts`, each followed by EOS."""
+    counts = np.zeros((tokenizer.vocab_size,), np.int64)
+    chunk: list[str] = []
+
+    def flush() -> None:
+        ids = tokenizer.encode_batch(chunk)
+        counts[:] += np.bincount(np.concatenate(ids), minlength=tokenizer.vocab_size)
+        counts[tokenizer.eos_id] += len(chunk)
+        chunk.clear()
+
+    for text in texts:
+        chunk.append(text)
+        if len(chunk) == _ENCODE_CHUNK_DOCS:
+            flush()
+    if chunk:
+        flush()
+    return counts
+
+
+def cache_path(source: PreparedSource, tokenizer: Tokenizer, sample_docs: int) -> Path:
+    """The JSON cache of L_freq for this dataset, tokenizer and document sample."""
+    return Path(source.path) / f"lfreq_{tokenizer.name}_{sample_docs or 'all'}.json"
+
+
+def get_lfreq(source: PreparedSource, tokenizer: Tokenizer, sample_docs: int = 0) -> float:
+    """L_freq over the first `sample_docs` training documents (0: all), cached as JSON."""
+    path = cache_path(source, tokenizer, sample_docs)
+    if path.exists():
+        cached = json.loads(path.read_text())
+        if cached["fingerprint"] == source.fingerprint:
+            return cached["lfreq"]
+    num_train = len(source.splits["train"])
+    num_docs = min(sample_docs, num_train) if sample_docs else num_train
+    start = time.perf_counter()
+    counts = target_token_counts(source.texts("train", num_docs), tokenizer)
+    lfreq = unigram_entropy(counts)
+    write_json_atomic(
+        path,
+        {
+            "lfreq": lfreq,
+            "num_docs": num_docs,
+            "num_tokens": int(counts.sum()),
+            "tokenizer": tokenizer.name,
+            "fingerprint": source.fingerprint,
+        },
+    )
+    logging.info(
+        "L_freq = %.4f nats/token from %d tokens of %d training docs (%.1f s) -> %s",
+        lfreq, counts.sum(), num_docs, time.perf_counter() - start, path,
+    )
+    return lfreq

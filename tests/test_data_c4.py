@@ -1,0 +1,117 @@
+"""C4 loading on a tiny dataset written here in the on-disk layout of TFDS c4/en:3.0.1."""
+
+import hashlib
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from postnorm.data import DataError, check_data_config, load_data
+from tests.test_data_pipeline import WORDS, make_config, window_stream
+
+NUM_TRAIN, NUM_VALIDATION = 60, 10
+
+
+class C4(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    """Same name, config, version and features as TFDS c4/en:3.0.1; generated text."""
+
+    name = "c4"
+    VERSION = tfds.core.Version("3.0.1")
+    BUILDER_CONFIGS = [tfds.core.BuilderConfig(name="en")]
+    code_path = None  # nothing to download, so no checksums directory
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        text = tfds.features.Text()
+        return tfds.core.DatasetInfo(
+            builder=self,
+            features=tfds.features.FeaturesDict({"text": text, "timestamp": text, "url": text}),
+        )
+
+    def _split_generators(self, dl_manager):
+        return {
+            "train": self._generate_examples(0, NUM_TRAIN),
+            "validation": self._generate_examples(NUM_TRAIN, NUM_TRAIN + NUM_VALIDATION),
+        }
+
+    def _generate_examples(self, start: int, stop: int):
+        for i in range(start, stop):
+            rng = random.Random(i)
+            sentences = [" ".join(rng.choices(WORDS, k=rng.randint(4, 15))) + "." for _ in range(8)]
+            yield i, {
+                "text": f"Page {i}. " + " ".join(sentences),
+                "timestamp": "2019-04-20T00:00:00Z",
+                "url": f"https://example.com/{i}",
+            }
+
+
+@pytest.fixture(scope="module")
+def c4_data_dir(tmp_path_factory) -> Path:
+    data_dir = tmp_path_factory.mktemp("tfds")
+    C4(data_dir=str(data_dir), config="en", file_format="array_record").download_and_prepare()
+    return data_dir
+
+
+def c4_config(data_dir: Path, **overrides):
+    return make_config(Path("/unused"), data_dir, source="c4", text_files="", **overrides)
+
+
+def texts(records) -> list[str]:
+    return [records[i]["text"].decode() for i in range(len(records))]
+
+
+@pytest.mark.parametrize("tokenizer", ["byte", "sentencepiece"])
+def test_loads_prepared_c4(c4_data_dir, tokenizer):
+    lm = load_data(c4_config(c4_data_dir, tokenizer=tokenizer, lfreq_sample_docs=10))
+    version_dir = c4_data_dir / "c4" / "en" / "3.0.1"
+    assert lm.info["path"] == str(version_dir)
+    assert (lm.info["builder"], lm.info["config"], lm.info["version"]) == ("c4", "en", "3.0.1")
+    assert lm.info["num_docs"] == {"train": NUM_TRAIN, "validation": NUM_VALIDATION}
+    info_bytes = (version_dir / "dataset_info.json").read_bytes()
+    assert lm.fingerprint == hashlib.sha256(info_bytes).hexdigest()
+
+    tok = lm.tokenizer
+    first_docs = texts(lm.train_records)[:10]
+    stream = np.concatenate([np.append(tok.encode(t), tok.eos_id) for t in first_docs])
+    _, counts = np.unique(stream, return_counts=True)
+    p = counts / counts.sum()
+    assert lm.lfreq == pytest.approx(-np.sum(p * np.log(p)), rel=1e-12)
+
+    batch = next(lm.train_iterator(batch_size=4, seed=0))
+    assert batch["inputs"].shape == (4, 16)
+    validation = texts(lm.validation_records)
+    expected = np.concatenate([np.append(tok.encode(t), tok.eos_id) for t in validation])
+    stream = window_stream(lm.eval_batches(batch_size=4, num_batches=2))
+    np.testing.assert_array_equal(stream, expected[: len(stream)])
+
+
+def test_missing_c4_names_the_path(tmp_path):
+    with pytest.raises(DataError, match="docs/C4.md") as e:
+        check_data_config(c4_config(tmp_path))
+    assert str(tmp_path / "c4" / "en" / "3.0.1") in str(e.value)
+    with pytest.raises(DataError, match=r"3\.0\.2"):
+        check_data_config(c4_config(tmp_path, c4_version="3.0.2"))
+
+
+def test_tfrecord_only_c4_asks_for_conversion(c4_data_dir, tmp_path):
+    version_dir = tmp_path / "c4" / "en" / "3.0.1"
+    version_dir.mkdir(parents=True)
+    info = json.loads((c4_data_dir / "c4" / "en" / "3.0.1" / "dataset_info.json").read_text())
+    info["fileFormat"] = "tfrecord"
+    (version_dir / "dataset_info.json").write_text(json.dumps(info))
+    with pytest.raises(DataError, match="convert_format"):
+        check_data_config(c4_config(tmp_path))
+
+
+def test_array_record_alternative_format_is_accepted(c4_data_dir, tmp_path):
+    """A dataset converted in place lists array_record among alternativeFileFormats."""
+    version_dir = tmp_path / "c4" / "en" / "3.0.1"
+    shutil.copytree(c4_data_dir / "c4" / "en" / "3.0.1", version_dir)
+    info = json.loads((version_dir / "dataset_info.json").read_text())
+    info["fileFormat"], info["alternativeFileFormats"] = "tfrecord", ["array_record"]
+    (version_dir / "dataset_info.json").write_text(json.dumps(info))
+    lm = load_data(c4_config(tmp_path, tokenizer="byte", lfreq_sample_docs=5))
+    assert len(lm.train_records) == NUM_TRAIN

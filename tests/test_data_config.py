@@ -1,0 +1,95 @@
+"""check_data_config: each bad setting raises a DataError naming the field or path."""
+
+from pathlib import Path
+
+import pytest
+
+from postnorm.data import DataError, check_data_config, load_data
+from tests.test_data_pipeline import make_config, write_corpus
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus"), num_docs=3)
+
+
+def test_valid_configs_pass(corpus_dir, tmp_path):
+    check_data_config(make_config(corpus_dir, tmp_path))
+    check_data_config(make_config(corpus_dir, tmp_path, tokenizer="byte", vocab_size=0))
+    check_data_config(make_config(corpus_dir, tmp_path, source="embedded", text_files=""))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ({"source": "wiki"}, "data.source='wiki'.*'embedded', 'c4', 'text_files'"),
+        ({"tokenizer": "bpe"}, "data.tokenizer='bpe'.*'sentencepiece', 'byte'"),
+        ({"seq_len": 1}, "data.seq_len=1"),
+        ({"vocab_size": 100}, "data.vocab_size=100.*>= 300"),
+        ({"lfreq_sample_docs": -1}, "data.lfreq_sample_docs=-1"),
+        ({"tokenizer": "byte", "tokenizer_path": "/x.model"}, "data.tokenizer_path='/x.model'"),
+        ({"text_files": ""}, "needs data.text_files"),
+    ],
+)
+def test_bad_fields_are_named(corpus_dir, tmp_path, overrides, expected):
+    with pytest.raises(DataError, match=expected):
+        check_data_config(make_config(corpus_dir, tmp_path, **overrides))
+
+
+def test_missing_field_is_named(corpus_dir, tmp_path):
+    cfg = make_config(corpus_dir, tmp_path)
+    del cfg["seq_len"]
+    with pytest.raises(DataError, match="seq_len"):
+        check_data_config(cfg)
+
+
+def test_glob_matching_nothing(corpus_dir, tmp_path):
+    glob = str(tmp_path / "nowhere" / "*.txt")
+    with pytest.raises(DataError, match="matches 0 files") as e:
+        load_data(make_config(corpus_dir, tmp_path, text_files=glob))
+    assert glob in str(e.value)
+
+
+def test_glob_matching_one_file(corpus_dir, tmp_path):
+    cfg = make_config(corpus_dir, tmp_path, text_files=str(corpus_dir / "doc_000.txt"))
+    with pytest.raises(DataError, match="matches 1 files"):
+        check_data_config(cfg)
+
+
+def test_missing_tokenizer_file(corpus_dir, tmp_path):
+    path = tmp_path / "missing.model"
+    with pytest.raises(DataError, match="data.tokenizer_path") as e:
+        load_data(make_config(corpus_dir, tmp_path, tokenizer_path=str(path)))
+    assert str(path) in str(e.value)
+    assert not (tmp_path / "postnorm_text_files").exists()  # failed before building anything
+
+
+@pytest.mark.parametrize("content", [b"", b"not a sentencepiece model"])
+def test_invalid_tokenizer_file(corpus_dir, tmp_path, content):
+    path = tmp_path / "bad.model"
+    path.write_bytes(content)
+    with pytest.raises(DataError, match="not a valid SentencePiece model") as e:
+        check_data_config(make_config(corpus_dir, tmp_path, tokenizer_path=str(path)))
+    assert str(path) in str(e.value)
+
+
+def test_tokenizer_path_that_is_a_directory(corpus_dir, tmp_path):
+    with pytest.raises(DataError, match="cannot read") as e:
+        check_data_config(make_config(corpus_dir, tmp_path, tokenizer_path=str(tmp_path)))
+    assert str(tmp_path) in str(e.value)
+
+
+def test_data_dir_that_is_a_file(corpus_dir, tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    with pytest.raises(DataError, match="data.data_dir"):
+        check_data_config(make_config(corpus_dir, not_a_dir / "tfds"))
+
+
+def test_cached_tokenizer_that_is_corrupt(corpus_dir, tmp_path):
+    cfg = make_config(corpus_dir, tmp_path)
+    model_path = Path(load_data(cfg).info["tokenizer"]["path"])
+    model_path.write_bytes(b"truncated")
+    with pytest.raises(DataError, match="Delete") as e:
+        load_data(cfg)
+    assert str(model_path) in str(e.value)

@@ -1,0 +1,129 @@
+"""load_data tests: tokenizer training and caching, user and byte tokenizers, L_freq, info."""
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+
+from postnorm.data import ByteTokenizer, load_data, spm_training
+from tests.test_data_pipeline import make_config, write_corpus
+
+TEXT = "rank collapse über café 数据\n    indented line\n"
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus"), num_docs=30, seed=1)
+
+
+def independent_lfreq(texts: list[str], encode, eos_id: int) -> float:
+    """Unigram entropy (nats) of the stream of `texts`, each followed by EOS, by np.unique."""
+    stream = np.concatenate([np.append(encode(t), eos_id) for t in texts])
+    _, counts = np.unique(stream, return_counts=True)
+    p = counts / counts.sum()
+    return float(-np.sum(p * np.log(p)))
+
+
+def train_texts(lm, limit: int | None = None) -> list[str]:
+    n = len(lm.train_records) if limit is None else limit
+    return [lm.train_records[i]["text"].decode() for i in range(n)]
+
+
+def test_tokenizer_is_trained_once_then_loaded_from_cache(corpus_dir, tmp_path, monkeypatch):
+    cfg = make_config(corpus_dir, tmp_path)
+    first = load_data(cfg)
+    model_path = Path(first.info["tokenizer"]["path"])
+    assert model_path.name == "tokenizer_spm_300.model"
+    assert model_path.parent == Path(first.info["path"])
+    mtime = model_path.stat().st_mtime_ns
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the tokenizer was trained again")
+
+    monkeypatch.setattr(spm_training, "train_sentencepiece", fail)
+    second = load_data(cfg)
+    assert model_path.stat().st_mtime_ns == mtime
+    assert second.tokenizer.name == first.tokenizer.name
+    np.testing.assert_array_equal(second.tokenizer.encode(TEXT), first.tokenizer.encode(TEXT))
+    assert second.lfreq == first.lfreq and second.fingerprint == first.fingerprint
+    assert not list(Path(first.info["path"]).glob(".*.tmp"))
+
+
+def test_trained_sentencepiece_properties(corpus_dir, tmp_path):
+    lm = load_data(make_config(corpus_dir, tmp_path))
+    tok = lm.tokenizer
+    sp = spm.SentencePieceProcessor(model_file=lm.info["tokenizer"]["path"])
+    assert tok.vocab_size == 300 == sp.get_piece_size()
+    assert tok.eos_id == sp.eos_id() == 2
+    ids = tok.encode(TEXT)
+    assert ids.dtype == np.int32 and tok.eos_id not in ids
+    assert tok.decode(ids) == TEXT  # identity normalization and byte fallback: lossless
+    np.testing.assert_array_equal(ids, sp.encode(TEXT))
+
+
+def test_training_is_deterministic(corpus_dir):
+    texts = [p.read_text() for p in sorted(corpus_dir.glob("*.txt"))]
+    sentences = spm_training.training_sentences(texts)
+    first = spm_training.train_sentencepiece(sentences, 300)
+    assert hashlib.sha256(first).digest() == hashlib.sha256(
+        spm_training.train_sentencepiece(sentences, 300)
+    ).digest()
+
+
+def test_user_tokenizer_path_is_used_as_is(corpus_dir, tmp_path):
+    trained = load_data(make_config(corpus_dir, tmp_path / "a"))
+    user_model = tmp_path / "user.model"
+    shutil.copy(trained.info["tokenizer"]["path"], user_model)
+    lm = load_data(make_config(corpus_dir, tmp_path / "b", tokenizer_path=str(user_model)))
+    assert lm.info["tokenizer"]["path"] == str(user_model)
+    assert lm.tokenizer.name == trained.tokenizer.name
+    assert not list((tmp_path / "b").glob("**/tokenizer_spm_*.model"))
+    assert lm.lfreq == pytest.approx(trained.lfreq, rel=1e-12)
+
+
+def test_lfreq_matches_independent_unigram_entropy(corpus_dir, tmp_path):
+    lm = load_data(make_config(corpus_dir, tmp_path))
+    sp = spm.SentencePieceProcessor(model_file=lm.info["tokenizer"]["path"])
+    expected = independent_lfreq(train_texts(lm), sp.encode, sp.eos_id())
+    assert lm.lfreq == pytest.approx(expected, rel=1e-12)
+    cached = json.loads(next(Path(lm.info["path"]).glob("lfreq_*_all.json")).read_text())
+    assert cached["lfreq"] == lm.lfreq and cached["fingerprint"] == lm.fingerprint
+
+
+def test_lfreq_sample_docs_uses_the_first_training_documents(corpus_dir, tmp_path):
+    lm = load_data(make_config(corpus_dir, tmp_path, tokenizer="byte", lfreq_sample_docs=5))
+    expected = independent_lfreq(train_texts(lm, 5), ByteTokenizer().encode, 256)
+    assert lm.lfreq == pytest.approx(expected, rel=1e-12)
+    full = load_data(make_config(corpus_dir, tmp_path, tokenizer="byte"))
+    assert full.lfreq != lm.lfreq
+
+
+def test_byte_tokenizer():
+    tok = ByteTokenizer()
+    assert (tok.vocab_size, tok.eos_id) == (257, 256)
+    ids = tok.encode(TEXT)
+    assert ids.dtype == np.int32 and ids.max() < 256
+    assert tok.decode(np.append(ids, tok.eos_id)) == TEXT
+
+
+def test_info_and_fingerprint(corpus_dir, tmp_path):
+    lm = load_data(make_config(corpus_dir, tmp_path, tokenizer="byte"))
+    info = json.loads(json.dumps(lm.info))
+    assert info["source"] == "text_files" and info["builder"] == "postnorm_text_files"
+    assert info["num_docs"]["train"] + info["num_docs"]["validation"] == 30
+    assert info["num_docs"]["validation"] >= 1
+    assert info["corpus_bytes"] == sum(p.stat().st_size for p in corpus_dir.glob("*.txt"))
+    assert info["fingerprint"] == lm.fingerprint and len(lm.fingerprint) == 64
+    assert info["lfreq"] == lm.lfreq and info["tokenizer"]["vocab_size"] == 257
+    # The prepared name depends on the file set: a different glob gets its own dataset.
+    other = load_data(
+        make_config(corpus_dir, tmp_path, tokenizer="byte", text_files=str(corpus_dir / "doc_00*"))
+    )
+    assert other.info["path"] != info["path"] and other.fingerprint != lm.fingerprint
+    assert other.info["num_docs"]["train"] + other.info["num_docs"]["validation"] == 10
+    assert os.path.isdir(info["path"]) and os.path.isdir(other.info["path"])
