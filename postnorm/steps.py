@@ -35,7 +35,7 @@ def train_step(state: TrainState, batch: Batch,
         return cross_entropy(logits, batch["targets"])
 
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
-    metrics = {"train/loss": loss, "train/grad_norm": optax.global_norm(grads),
+    metrics = {"train/loss": loss, "train/grad_norm": optax.tree.norm(grads),
                "train/lr": schedule(state.step)}
     return state.apply_gradients(grads=grads), metrics
 

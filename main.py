@@ -1,0 +1,52 @@
+"""Entry point: ``python main.py --config configs/default.py[:variant,key=value] --workdir DIR``.
+
+Modes: ``train`` (default; resumes from the latest checkpoint in the workdir), ``eval``
+(evaluate the latest checkpoint on the validation split) and ``params`` (print the parameter
+count of the config's model without loading data).
+"""
+
+import jax
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from postnorm import train
+from postnorm.model import ModelSpec, param_count_formula
+from postnorm.validation import check_model
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/default.py:pre.",
+                                lock_config=True)
+flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and plots.")
+flags.DEFINE_enum("mode", "train", ["train", "eval", "params"], "What to run.")
+flags.mark_flags_as_required(["config"])
+
+
+def print_param_count(config) -> None:
+    """Parameter counts by group; the vocabulary size is data.vocab_size."""
+    check_model(config)
+    spec = ModelSpec.from_config(config.model, vocab_size=config.data.vocab_size,
+                                 max_len=config.data.seq_len)
+    for group, count in param_count_formula(spec).items():
+        print(f"{group:>14}: {count:>13,} ({count / 1e6:.1f}M)")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    config = FLAGS.config
+    if FLAGS.mode == "params":
+        print_param_count(config)
+        return
+    if FLAGS.workdir is None:
+        raise app.UsageError("--workdir is required for --mode=train and --mode=eval")
+    logging.info("JAX %s: process %d of %d, %d local / %d global devices: %s", jax.__version__,
+                 jax.process_index(), jax.process_count(), jax.local_device_count(),
+                 jax.device_count(), jax.devices())
+    if FLAGS.mode == "train":
+        train.train_and_evaluate(config, FLAGS.workdir)
+    else:
+        train.evaluate_checkpoint(config, FLAGS.workdir)
+
+
+if __name__ == "__main__":
+    app.run(main)

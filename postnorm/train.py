@@ -1,0 +1,167 @@
+"""The training loop: data, sharded state, jitted steps, eval, checkpoints and metrics.
+
+Step t's metrics are fetched only after step t+1 is dispatched, and only on logging steps,
+so the host never waits on the device in between. A run resumes from the latest checkpoint in
+``<workdir>/checkpoints`` (state and data-iterator position) and rewrites the metrics of any
+steps it repeats.
+"""
+
+import dataclasses
+import json
+import os
+
+import jax
+import ml_collections
+import numpy as np
+from absl import logging
+
+from postnorm.checkpoint import Checkpointer
+from postnorm.data import LMData, load_data
+from postnorm.metrics import JSONL_NAME, MetricWriter, Progress, truncate_jsonl
+from postnorm.model import ModelSpec, param_count_formula
+from postnorm.optim import make_optimizer
+from postnorm.sharding import batch_sharding, make_mesh
+from postnorm.steps import CompiledSteps, compile_steps
+from postnorm.validation import check_config
+
+
+@dataclasses.dataclass
+class Experiment:
+    """Everything built from a config before the first step."""
+
+    config: ml_collections.ConfigDict
+    data: LMData
+    spec: ModelSpec
+    steps: CompiledSteps
+    mesh: jax.sharding.Mesh
+
+
+def build_experiment(config: ml_collections.ConfigDict) -> Experiment:
+    """Load data and build the model, mesh and compiled steps of a validated config."""
+    data = load_data(config.data, seed=config.seed)
+    spec = ModelSpec.from_config(config.model, vocab_size=data.tokenizer.vocab_size,
+                                 max_len=config.data.seq_len)
+    counts = param_count_formula(spec)
+    logging.info("parameters: %s", ", ".join(f"{k}={v:,}" for k, v in counts.items()))
+    mesh = make_mesh(config.mesh)
+    tx, schedule = make_optimizer(config.opt, config.train.steps)
+    return Experiment(config, data, spec, compile_steps(spec, tx, schedule, mesh), mesh)
+
+
+def _global_batch(local: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+
+
+def evaluate(exp: Experiment, state) -> float:
+    """Mean validation cross-entropy over ``train.eval_batches`` fixed batches."""
+    cfg = exp.config
+    local = exp.data.eval_batches(
+        batch_size=cfg.data.batch_size // jax.process_count(),
+        num_batches=cfg.train.eval_batches, process_index=jax.process_index(),
+        process_count=jax.process_count())
+    sharding = batch_sharding(exp.mesh)
+    losses = [exp.steps.evaluate(state, _global_batch(b, sharding)) for b in local]
+    return float(np.mean(jax.device_get(losses)))
+
+
+def _write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort(indent=2))
+
+
+def _restore_or_init(exp: Experiment, ckpt: Checkpointer, data_iter):
+    restored = ckpt.restore_latest(exp.steps.abstract_state, data_iter)
+    if restored is None:
+        logging.info("no checkpoint in %s: starting from step 0", ckpt.directory)
+        return exp.steps.init(exp.config.seed), 0
+    state, step = restored
+    logging.info("resumed from the checkpoint at step %d", step)
+    return state, step
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+    """Train ``config`` in ``workdir`` (resuming if possible); returns the final metrics."""
+    check_config(config, device_count=jax.device_count(), process_count=jax.process_count())
+    workdir = os.path.abspath(os.path.expanduser(workdir))
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), save_every=config.train.ckpt_every,
+                        keep=config.train.keep_ckpts)
+    exp = build_experiment(config)
+    _write_config(config, workdir)
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, "data_info.json"), "w") as f:
+            json.dump(exp.data.info, f, indent=2)
+    lfreq = exp.data.lfreq
+    data_iter = exp.data.train_iterator(
+        batch_size=config.data.batch_size // jax.process_count(), seed=config.seed,
+        process_index=jax.process_index(), process_count=jax.process_count())
+    state, start = _restore_or_init(exp, ckpt, data_iter)
+
+    if jax.process_index() == 0:
+        truncate_jsonl(os.path.join(workdir, JSONL_NAME), start)
+    writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
+    total = config.train.steps
+    progress = Progress(total, config.data.batch_size * config.data.seq_len, start)
+    sharding = batch_sharding(exp.mesh)
+    final: dict[str, float] = {}
+    pending = None  # (step, device metrics) of a logging step not yet fetched
+
+    def flush_pending() -> None:
+        nonlocal pending, final
+        if pending is None:
+            return
+        step, device_metrics = pending
+        metrics = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+        line, tokens_per_s = progress.report(step, metrics, lfreq)
+        metrics["train/lfreq"] = lfreq
+        if tokens_per_s is not None:
+            metrics["train/tokens_per_s"] = tokens_per_s
+        logging.info(line)
+        writer.write_scalars(step, metrics)
+        final.update(metrics)
+        pending = None
+
+    try:
+        for step in range(start + 1, total + 1):
+            batch = _global_batch(next(data_iter), sharding)
+            state, device_metrics = exp.steps.train(state, batch)
+            flush_pending()
+            if step % config.train.log_every == 0 or step == total or step == start + 1:
+                pending = (step, device_metrics)
+            if step % config.train.eval_every == 0 or step == total:
+                flush_pending()
+                eval_loss = evaluate(exp, state)
+                logging.info("eval at step %d: loss %.4f | L_freq %.4f | loss - L_freq %+.4f",
+                             step, eval_loss, lfreq, eval_loss - lfreq)
+                eval_metrics = {"eval/loss": eval_loss, "eval/lfreq": lfreq,
+                                "eval/loss_minus_lfreq": eval_loss - lfreq}
+                writer.write_scalars(step, eval_metrics)
+                final.update(eval_metrics)
+            ckpt.save(step, state, data_iter, force=step == total)
+        flush_pending()
+    finally:
+        writer.close()
+        ckpt.close()
+    return final
+
+
+def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> float:
+    """Restore the latest checkpoint of ``workdir`` and evaluate it on the validation split."""
+    check_config(config, device_count=jax.device_count(), process_count=jax.process_count())
+    workdir = os.path.abspath(os.path.expanduser(workdir))
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), save_every=config.train.ckpt_every,
+                        keep=config.train.keep_ckpts)
+    exp = build_experiment(config)
+    data_iter = exp.data.train_iterator(
+        batch_size=config.data.batch_size // jax.process_count(), seed=config.seed,
+        process_index=jax.process_index(), process_count=jax.process_count())
+    restored = ckpt.restore_latest(exp.steps.abstract_state, data_iter)
+    ckpt.close()
+    if restored is None:
+        raise FileNotFoundError(f"no checkpoint in {ckpt.directory}: train first "
+                                f"(--mode=train) or point --workdir at a trained run")
+    state, step = restored
+    loss = evaluate(exp, state)
+    logging.info("eval of the checkpoint at step %d: loss %.4f | L_freq %.4f", step, loss,
+                 exp.data.lfreq)
+    return loss
