@@ -1,8 +1,9 @@
 """Entry point: ``python main.py --config configs/default.py[:variant,key=value] --workdir DIR``.
 
 Modes: ``train`` (default; resumes from the latest checkpoint in the workdir), ``eval``
-(evaluate the latest checkpoint on the validation split) and ``params`` (print the parameter
-count of the config's model without loading data).
+(evaluate the latest checkpoint on the validation split), ``plots`` (render the run's figures
+into ``<workdir>/plots``) and ``params`` (print the parameter count of the config's model
+without loading data).
 """
 
 import jax
@@ -11,13 +12,14 @@ from ml_collections import config_flags
 
 from postnorm import train
 from postnorm.model import ModelSpec, param_count_formula
+from postnorm.plots import render_run_plots
 from postnorm.validation import check_model
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/default.py:pre.",
                                 lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and plots.")
-flags.DEFINE_enum("mode", "train", ["train", "eval", "params"], "What to run.")
+flags.DEFINE_enum("mode", "train", ["train", "eval", "plots", "params"], "What to run.")
 flags.mark_flags_as_required(["config"])
 
 
@@ -38,7 +40,11 @@ def main(argv: list[str]) -> None:
         print_param_count(config)
         return
     if FLAGS.workdir is None:
-        raise app.UsageError("--workdir is required for --mode=train and --mode=eval")
+        raise app.UsageError(f"--workdir is required for --mode={FLAGS.mode}")
+    if FLAGS.mode == "plots":
+        for path in render_run_plots(FLAGS.workdir):
+            print(path)
+        return
     logging.info("JAX %s: process %d of %d, %d local / %d global devices: %s", jax.__version__,
                  jax.process_index(), jax.process_count(), jax.local_device_count(),
                  jax.device_count(), jax.devices())

@@ -59,6 +59,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.ckpt_every = 100
     c.train.keep_ckpts = 3
 
+    c.diag = ml_collections.ConfigDict()
+    c.diag.every = 10  # diag_step (per-layer statistics) runs at step 1 and every `every` steps
+
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # -1: all devices not used by fsdp and tensor
     c.mesh.fsdp = 1

@@ -40,6 +40,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eval_every = 2000
     c.train.eval_batches = 16
     c.train.ckpt_every = 2000
+    c.diag.every = 500
     return c
 
 
@@ -56,6 +57,7 @@ def _runlocal(c: ml_collections.ConfigDict) -> None:
     c.train.eval_every = 5
     c.train.eval_batches = 1
     c.train.ckpt_every = 5
+    c.diag.every = 2
 
 
 VARIANTS = {**default.VARIANTS, "runlocal": _runlocal}

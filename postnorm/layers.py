@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from postnorm.diagnostics import attention_stats
 from postnorm.initializers import kernel_init
 
 
@@ -66,9 +67,11 @@ class CausalSelfAttention(nn.Module):
     positions: str
     rope_base: float
     dtype: jnp.dtype
+    collect_stats: bool = False
 
     @nn.compact
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array | tuple[jax.Array, dict]:
+        """The attention output; with ``collect_stats`` also the attention-row statistics."""
         batch, length, d = x_BxLxD.shape
         head_dim = d // self.n_heads
         x = x_BxLxD.astype(self.dtype)
@@ -84,7 +87,10 @@ class CausalSelfAttention(nn.Module):
         probs_BxHxLxL = causal_attention_weights(q_BxLxHxK, k_BxLxHxK)
         out_BxLxHxK = jnp.einsum("bhlm,bmhk->blhk", probs_BxHxLxL.astype(self.dtype), v_BxLxHxK)
         w_o_DxD = dense_kernel(self, "w_o", (d, d), ("heads", "embed"), self.init_scheme)
-        return out_BxLxHxK.reshape(batch, length, d) @ w_o_DxD.astype(self.dtype)
+        out_BxLxD = out_BxLxHxK.reshape(batch, length, d) @ w_o_DxD.astype(self.dtype)
+        if self.collect_stats:
+            return out_BxLxD, attention_stats(probs_BxHxLxL)
+        return out_BxLxD
 
 
 class SwiGLU(nn.Module):

@@ -16,8 +16,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from postnorm.diagnostics import sublayer_stats, tsim
 from postnorm.initializers import embedding_init
 from postnorm.layers import CausalSelfAttention, RMSNorm, SwiGLU, dense_kernel
+from postnorm.taps import tap
 
 NORM_PLACEMENTS = ("post", "pre")
 POSITION_SCHEMES = ("rope", "learned", "none")
@@ -51,25 +53,45 @@ class ModelSpec:
 
 
 class Block(nn.Module):
-    """One layer: an attention sublayer then an FFN sublayer, each with a residual and a norm."""
+    """One layer: an attention sublayer then an FFN sublayer, each with a residual and a norm.
+
+    With ``probes_2xS`` (diagnostic mode) each sublayer input X_k is tapped (``postnorm.taps``)
+    and the layer also returns its forward statistics; otherwise it returns ``None``.
+    """
 
     spec: ModelSpec
 
     @nn.compact
-    def __call__(self, x_BxLxD: jax.Array, _: None) -> tuple[jax.Array, None]:
+    def __call__(self, x_BxLxD: jax.Array,
+                 probes_2xS: jax.Array | None) -> tuple[jax.Array, dict | None]:
         s = self.spec
         dtype = DTYPES[s.dtype]
-        sublayers = (
-            CausalSelfAttention(s.n_heads, s.init, s.positions, s.rope_base, dtype, name="attn"),
-            SwiGLU(s.d_ff, s.init, dtype, name="ffn"),
-        )
-        for sublayer, norm_name in zip(sublayers, ("norm_attn", "norm_ffn"), strict=True):
-            norm = RMSNorm(s.norm_eps, name=norm_name)
+        diag = probes_2xS is not None
+        attn = CausalSelfAttention(s.n_heads, s.init, s.positions, s.rope_base, dtype,
+                                   collect_stats=diag, name="attn")
+        ffn = SwiGLU(s.d_ff, s.init, dtype, name="ffn")
+        stats = {}
+        for index, (kind, sublayer) in enumerate((("attn", attn), ("ffn", ffn))):
+            norm = RMSNorm(s.norm_eps, name=f"norm_{kind}")
+            if diag:
+                x_BxLxD = tap(x_BxLxD, probes_2xS[index])
+            branch = sublayer(x_BxLxD if s.norm == "post" else norm(x_BxLxD))
+            if diag and kind == "attn":
+                branch, attn_stats = branch
+                stats.update(attn_stats)
             if s.norm == "post":
-                x_BxLxD = norm(x_BxLxD + sublayer(x_BxLxD))
+                y_BxLxD = x_BxLxD + branch
+                x_next = norm(y_BxLxD)
             else:
-                x_BxLxD = x_BxLxD + sublayer(norm(x_BxLxD))
-        return x_BxLxD, None
+                y_BxLxD = x_BxLxD
+                x_next = x_BxLxD + branch
+            if diag:
+                scale_D = norm.variables["params"]["scale"]
+                for key, value in sublayer_stats(x_BxLxD, branch, y_BxLxD, scale_D,
+                                                 s.norm_eps).items():
+                    stats[f"{key}_{kind}"] = value
+            x_BxLxD = x_next
+        return x_BxLxD, (stats if diag else None)
 
 
 class Decoder(nn.Module):
@@ -78,7 +100,10 @@ class Decoder(nn.Module):
     spec: ModelSpec
 
     @nn.compact
-    def __call__(self, tokens_BxL: jax.Array) -> jax.Array:
+    def __call__(self, tokens_BxL: jax.Array,
+                 probes: dict[str, jax.Array] | None = None) -> jax.Array | tuple[jax.Array, dict]:
+        """Logits ``[B, L, V]``; with ``probes`` (``taps.zero_probes``) also the per-layer
+        forward statistics, each stacked ``[n_layers]``."""
         s = self.spec
         embedding_VxD = self.param(
             "embedding", nn.with_logical_partitioning(embedding_init(s.init), ("vocab", "embed")),
@@ -91,14 +116,18 @@ class Decoder(nn.Module):
                 (s.max_len, s.d_model), jnp.float32)
             x_BxLxD = x_BxLxD + pos_LxD[: tokens_BxL.shape[1]]
         x_BxLxD = x_BxLxD.astype(DTYPES[s.dtype])
-        x_BxLxD = nn.with_logical_constraint(x_BxLxD, ("batch", "length", "embed"))
 
         stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
                         length=s.n_layers, metadata_params={nn.PARTITION_NAME: "layers"})
-        x_BxLxD, _ = stack(s, name="layers")(x_BxLxD, None)
+        layer_probes = None if probes is None else probes["layers"]
+        x_BxLxD, stats = stack(s, name="layers")(x_BxLxD, layer_probes)
+        if probes is not None:  # the residual stream leaving the last layer
+            x_BxLxD = tap(x_BxLxD, probes["final"])
+            stats["tsim_final"] = tsim(x_BxLxD)
         if s.norm == "pre":
             x_BxLxD = RMSNorm(s.norm_eps, name="final_norm")(x_BxLxD)
-        return self.logits(x_BxLxD, embedding_VxD)
+        logits_BxLxV = self.logits(x_BxLxD, embedding_VxD)
+        return logits_BxLxV if probes is None else (logits_BxLxV, stats)
 
     def logits(self, h_BxLxD: jax.Array, embedding_VxD: jax.Array) -> jax.Array:
         """LM head in float32. Tied heads use E^T / sqrt(d) so logits start at unit scale."""

@@ -1,22 +1,12 @@
-"""Train state and the pure, jitted train and eval steps with explicit shardings.
+"""The pure train and eval steps: ``train_step(state, batch) -> (state, metrics)``.
 
-``train_step(state, batch) -> (state, metrics)`` is a module-level pure function; ``compile_steps``
-binds it to a mesh with ``in_shardings``/``out_shardings`` and donates the old state.
+``postnorm.step_builder`` jits them with explicit shardings and donation.
 """
 
-import dataclasses
-import functools
-from collections.abc import Callable
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import optax
 from flax.training.train_state import TrainState
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-from postnorm.model import Decoder, ModelSpec
-from postnorm.sharding import batch_sharding, tree_shardings
 
 Batch = dict[str, jax.Array]
 
@@ -44,51 +34,3 @@ def eval_step(state: TrainState, batch: Batch) -> jax.Array:
     """Mean cross-entropy of ``batch`` under the current parameters."""
     logits = state.apply_fn({"params": state.params}, batch["inputs"])
     return cross_entropy(logits, batch["targets"])
-
-
-@dataclasses.dataclass(frozen=True)
-class CompiledSteps:
-    """The state's shardings, a sharded initializer and the jitted steps."""
-
-    state_shardings: TrainState
-    abstract_state: TrainState
-    init: Callable[[int], TrainState]
-    train: Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]
-    evaluate: Callable[[TrainState, Batch], jax.Array]
-
-
-def compile_steps(spec: ModelSpec, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                  mesh: Mesh) -> CompiledSteps:
-    """Shardings from the params' logical axes; the optimizer state mirrors the params."""
-    model = Decoder(spec)
-    tokens_1xL = jnp.zeros((1, spec.max_len), jnp.int32)
-
-    def init_params(rng: jax.Array):
-        return model.init(rng, tokens_1xL)["params"]
-
-    def init_state(seed: int) -> TrainState:
-        params = nn.unbox(init_params(jax.random.key(seed)))
-        return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-
-    param_shardings = tree_shardings(mesh, jax.eval_shape(init_params, jax.random.key(0)))
-    abstract = jax.eval_shape(init_state, 0)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    opt_shardings = optax.tree_map_params(
-        tx, lambda _, sharding: sharding, abstract.opt_state, param_shardings,
-        transform_non_params=lambda _: replicated)
-    shardings = abstract.replace(step=replicated, params=param_shardings, opt_state=opt_shardings)
-    abstract_state = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-
-    data_sharding = batch_sharding(mesh)
-    batch_shardings = {"inputs": data_sharding, "targets": data_sharding}
-    return CompiledSteps(
-        state_shardings=shardings,
-        abstract_state=abstract_state,
-        init=jax.jit(init_state, static_argnums=0, out_shardings=shardings),
-        train=jax.jit(functools.partial(train_step, schedule=schedule),
-                      in_shardings=(shardings, batch_shardings),
-                      out_shardings=(shardings, replicated), donate_argnums=0),
-        evaluate=jax.jit(eval_step, in_shardings=(shardings, batch_shardings),
-                         out_shardings=replicated),
-    )

@@ -14,14 +14,17 @@ import jax
 import ml_collections
 import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 from postnorm.checkpoint import Checkpointer
 from postnorm.data import LMData, load_data
+from postnorm.diag_step import flatten_diagnostics
 from postnorm.metrics import JSONL_NAME, MetricWriter, Progress, truncate_jsonl
 from postnorm.model import ModelSpec, param_count_formula
 from postnorm.optim import make_optimizer
+from postnorm.plots import render_run_plots
 from postnorm.sharding import batch_sharding, make_mesh
-from postnorm.steps import CompiledSteps, compile_steps
+from postnorm.step_builder import CompiledSteps, compile_steps
 from postnorm.validation import check_config
 
 
@@ -36,9 +39,19 @@ class Experiment:
     mesh: jax.sharding.Mesh
 
 
+def _load_data_once(config: ml_collections.ConfigDict) -> LMData:
+    """Process 0 prepares the dataset, tokenizer and L_freq caches; the others then read them."""
+    if jax.process_index() == 0:
+        data = load_data(config.data, seed=config.seed)
+    multihost_utils.sync_global_devices("postnorm: data prepared")
+    if jax.process_index() != 0:
+        data = load_data(config.data, seed=config.seed)
+    return data
+
+
 def build_experiment(config: ml_collections.ConfigDict) -> Experiment:
     """Load data and build the model, mesh and compiled steps of a validated config."""
-    data = load_data(config.data, seed=config.seed)
+    data = _load_data_once(config)
     spec = ModelSpec.from_config(config.model, vocab_size=data.tokenizer.vocab_size,
                                  max_len=config.data.seq_len)
     counts = param_count_formula(spec)
@@ -101,48 +114,70 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         truncate_jsonl(os.path.join(workdir, JSONL_NAME), start)
     writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
     total = config.train.steps
-    progress = Progress(total, config.data.batch_size * config.data.seq_len, start)
+    reporter = _Reporter(writer, Progress(total, config.data.batch_size * config.data.seq_len,
+                                          start), lfreq)
     sharding = batch_sharding(exp.mesh)
-    final: dict[str, float] = {}
-    pending = None  # (step, device metrics) of a logging step not yet fetched
-
-    def flush_pending() -> None:
-        nonlocal pending, final
-        if pending is None:
-            return
-        step, device_metrics = pending
-        metrics = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
-        line, tokens_per_s = progress.report(step, metrics, lfreq)
-        metrics["train/lfreq"] = lfreq
-        if tokens_per_s is not None:
-            metrics["train/tokens_per_s"] = tokens_per_s
-        logging.info(line)
-        writer.write_scalars(step, metrics)
-        final.update(metrics)
-        pending = None
-
     try:
         for step in range(start + 1, total + 1):
             batch = _global_batch(next(data_iter), sharding)
-            state, device_metrics = exp.steps.train(state, batch)
-            flush_pending()
-            if step % config.train.log_every == 0 or step == total or step == start + 1:
-                pending = (step, device_metrics)
+            is_diag = step % config.diag.every == 0 or step == 1
+            if is_diag:
+                state, device_metrics, device_diag = exp.steps.diag(state, batch)
+            else:
+                (state, device_metrics), device_diag = exp.steps.train(state, batch), None
+            reporter.flush()  # step - 1's metrics: the device is already busy with this step
+            is_log = step % config.train.log_every == 0 or step in (start + 1, total)
+            if is_log or is_diag:
+                reporter.hold(step, device_metrics if is_log else None, device_diag)
             if step % config.train.eval_every == 0 or step == total:
-                flush_pending()
-                eval_loss = evaluate(exp, state)
-                logging.info("eval at step %d: loss %.4f | L_freq %.4f | loss - L_freq %+.4f",
-                             step, eval_loss, lfreq, eval_loss - lfreq)
-                eval_metrics = {"eval/loss": eval_loss, "eval/lfreq": lfreq,
-                                "eval/loss_minus_lfreq": eval_loss - lfreq}
-                writer.write_scalars(step, eval_metrics)
-                final.update(eval_metrics)
+                reporter.flush()
+                reporter.write_eval(step, evaluate(exp, state))
             ckpt.save(step, state, data_iter, force=step == total)
-        flush_pending()
+        reporter.flush()
     finally:
         writer.close()
         ckpt.close()
-    return final
+    if jax.process_index() == 0:
+        render_run_plots(workdir)
+    return reporter.final
+
+
+class _Reporter:
+    """Fetches held device metrics one step late, then logs and writes them."""
+
+    def __init__(self, writer: MetricWriter, progress: Progress, lfreq: float):
+        self.writer, self.progress, self.lfreq = writer, progress, lfreq
+        self.final: dict[str, float] = {}
+        self._held = None
+
+    def hold(self, step: int, metrics, diagnostics) -> None:
+        self._held = (step, metrics, diagnostics)
+
+    def flush(self) -> None:
+        if self._held is None:
+            return
+        step, device_metrics, device_diag = self._held
+        self._held = None
+        scalars = {}
+        if device_metrics is not None:
+            scalars = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
+            line, tokens_per_s = self.progress.report(step, scalars, self.lfreq)
+            logging.info(line)
+            scalars["train/lfreq"] = self.lfreq
+            if tokens_per_s is not None:
+                scalars["train/tokens_per_s"] = tokens_per_s
+        if device_diag is not None:
+            scalars.update(flatten_diagnostics(jax.device_get(device_diag)))
+        self.writer.write_scalars(step, scalars)
+        self.final.update(scalars)
+
+    def write_eval(self, step: int, eval_loss: float) -> None:
+        logging.info("eval at step %d: loss %.4f | L_freq %.4f | loss - L_freq %+.4f",
+                     step, eval_loss, self.lfreq, eval_loss - self.lfreq)
+        scalars = {"eval/loss": eval_loss, "eval/lfreq": self.lfreq,
+                   "eval/loss_minus_lfreq": eval_loss - self.lfreq}
+        self.writer.write_scalars(step, scalars)
+        self.final.update(scalars)
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> float:

@@ -85,7 +85,7 @@ def check_opt(config: ml_collections.ConfigDict) -> None:
 
 def check_train(config: ml_collections.ConfigDict) -> None:
     for path in ("train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
-                 "train.ckpt_every", "train.keep_ckpts"):
+                 "train.ckpt_every", "train.keep_ckpts", "diag.every"):
         _positive_int(config, path)
     _require(config, "seed", _is_int, "an integer")
 

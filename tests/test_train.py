@@ -11,7 +11,7 @@ from configs.default import get_config
 from postnorm.model import ModelSpec
 from postnorm.optim import make_optimizer
 from postnorm.sharding import batch_sharding, make_mesh
-from postnorm.steps import compile_steps
+from postnorm.step_builder import compile_steps
 from postnorm.train import train_and_evaluate
 from postnorm.validation import ConfigError, check_config
 
@@ -21,8 +21,8 @@ def corpus(tmp_path_factory):
     """A small local text corpus: varied sentences, one file per document."""
     root = tmp_path_factory.mktemp("corpus")
     rng = np.random.default_rng(0)
-    words = ("the model layer norm token attention residual gradient loss collapse post pre "
-             "value key query scale rank mean").split()
+    words = ["the", "model", "layer", "norm", "token", "attention", "residual", "gradient",
+             "loss", "collapse", "post", "pre", "value", "key", "query", "scale", "rank"]
     for i in range(40):
         text = "\n".join(" ".join(rng.choice(words, size=12)) + "." for _ in range(20))
         (root / f"doc{i:03d}.txt").write_text(text)

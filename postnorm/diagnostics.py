@@ -1,0 +1,92 @@
+"""Forward statistics of the residual stream, computed inside the diagnostic step.
+
+All statistics are reduced in float32 and detached from the gradient. Definitions
+(theory.md §0, §4):
+
+* tsim(X) = ||sum_i x_i||^2 / (n sum_i ||x_i||^2) per sequence, averaged over the batch.
+* RMSNorm contraction c = alpha / r(y) with r(y) = sqrt(||y||^2/d + eps), per token, where y is
+  the norm's input; ``alpha`` is either the RMS of the gain vector or max|gain| (the bound).
+* Effective rank (Roy & Vetterli): exp(entropy of the normalised singular values).
+"""
+
+import jax
+import jax.numpy as jnp
+
+ERANK_SEQUENCES = 4  # sequences per batch whose effective rank is averaged
+
+
+def _f32(x: jax.Array) -> jax.Array:
+    return jax.lax.stop_gradient(x).astype(jnp.float32)
+
+
+def tsim(x_BxLxD: jax.Array) -> jax.Array:
+    """Token similarity per sequence, averaged over the batch."""
+    x = _f32(x_BxLxD)
+    length = x.shape[1]
+    mean_energy_B = jnp.sum(jnp.sum(x, axis=1) ** 2, axis=-1)
+    total_energy_B = jnp.sum(x * x, axis=(1, 2))
+    return jnp.mean(mean_energy_B / (length * total_energy_B))
+
+
+def frobenius_sq(x_BxLxD: jax.Array) -> jax.Array:
+    x = _f32(x_BxLxD)
+    return jnp.sum(x * x)
+
+
+def norm_input_stats(y_BxLxD: jax.Array, scale_D: jax.Array, eps: float) -> dict[str, jax.Array]:
+    """RMS of the norm input y and the RMSNorm contraction factor c, per token."""
+    y = _f32(y_BxLxD)
+    d = y.shape[-1]
+    rms_BxL = jnp.sqrt(jnp.sum(y * y, axis=-1) / d)
+    r_BxL = jnp.sqrt(rms_BxL**2 + eps)
+    scale = _f32(scale_D)
+    c_rms_BxL = jnp.sqrt(jnp.mean(scale * scale)) / r_BxL
+    c_max_BxL = jnp.max(jnp.abs(scale)) / r_BxL
+    return {
+        "y_rms_mean": jnp.mean(rms_BxL), "y_rms_max": jnp.max(rms_BxL),
+        "c_mean": jnp.mean(c_rms_BxL), "c_min": jnp.min(c_rms_BxL),
+        "c_bound_mean": jnp.mean(c_max_BxL), "c_bound_min": jnp.min(c_max_BxL),
+    }
+
+
+def attention_stats(probs_BxHxLxL: jax.Array) -> dict[str, jax.Array]:
+    """Row entropy of causal attention and its distance from prefix averaging (1/i on j <= i).
+
+    KL(A_i || U_i) = log i - H(A_i); TV(A_i, U_i) = 1/2 sum_j |A_ij - 1/i|. Means over rows.
+    """
+    p = _f32(probs_BxHxLxL)
+    length = p.shape[-1]
+    row_len_L = jnp.arange(1, length + 1, dtype=jnp.float32)
+    entropy_BxHxL = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), -1)
+    causal_LxL = jnp.tril(jnp.ones((length, length), dtype=bool))
+    uniform_LxL = jnp.where(causal_LxL, 1.0 / row_len_L[:, None], 0.0)
+    tv_BxHxL = 0.5 * jnp.sum(jnp.abs(p - uniform_LxL), axis=-1)
+    return {
+        "attn_entropy": jnp.mean(entropy_BxHxL),
+        "attn_kl_uniform": jnp.mean(jnp.log(row_len_L) - entropy_BxHxL),
+        "attn_tv_uniform": jnp.mean(tv_BxHxL),
+    }
+
+
+def effective_rank(x_LxD: jax.Array) -> jax.Array:
+    """exp(H(sigma / sum sigma)) of one sequence's hidden states."""
+    sigma = jnp.linalg.svd(_f32(x_LxD), compute_uv=False)
+    p = sigma / jnp.sum(sigma)
+    return jnp.exp(-jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0)))
+
+
+def mean_effective_rank(x_BxLxD: jax.Array) -> jax.Array:
+    """Effective rank averaged over the first ``ERANK_SEQUENCES`` sequences of the batch."""
+    return jnp.mean(jax.vmap(effective_rank)(x_BxLxD[:ERANK_SEQUENCES]))
+
+
+def sublayer_stats(x_BxLxD: jax.Array, branch_BxLxD: jax.Array, y_BxLxD: jax.Array,
+                   scale_D: jax.Array, eps: float) -> dict[str, jax.Array]:
+    """Statistics of one sublayer: input X, branch output F and norm input y."""
+    return {
+        "tsim": tsim(x_BxLxD),
+        "tsim_branch": tsim(branch_BxLxD),
+        "energy_ratio": frobenius_sq(branch_BxLxD) / frobenius_sq(x_BxLxD),
+        "erank": mean_effective_rank(x_BxLxD),
+        **norm_input_stats(y_BxLxD, scale_D, eps),
+    }

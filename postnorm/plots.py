@@ -1,0 +1,110 @@
+"""Figures of a run, read back from ``<workdir>/metrics.jsonl`` into ``<workdir>/plots/``.
+
+* layer x step heatmaps of tsim, log10 ||dL/dX_k||, the contraction factor c_k and ||y_k||/sqrt(d),
+  each for the attention and the FFN sublayers;
+* train and eval loss against the collapse floor L_freq.
+"""
+
+import json
+import os
+import re
+from collections import defaultdict
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+HEATMAPS = {
+    "tsim": ("tsim", "token similarity tsim(X_k)", False),
+    "dldx": ("dldx_norm", "log10 ||dL/dX_k||_F", True),
+    "contraction": ("c_mean", "RMSNorm contraction c_k (token mean)", False),
+    "y_rms": ("y_rms_mean", "||y_k|| / sqrt(d) (token mean)", False),
+}
+_LAYER_KEY = re.compile(r"^diag/(?P<name>.+)/layer_(?P<layer>\d+)$")
+
+
+def read_metrics(workdir: str) -> list[dict]:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def layer_series(records: list[dict]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """{stat name: (steps [S], values [n_layers, S])} for every per-layer diagnostic."""
+    by_name: dict[str, dict[int, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
+    for record in records:
+        for key, value in record.items():
+            match = _LAYER_KEY.match(key)
+            if match:
+                by_name[match["name"]][record["step"]][int(match["layer"])] = float(value)
+    series = {}
+    for name, per_step in by_name.items():
+        steps = np.array(sorted(per_step))
+        n_layers = 1 + max(max(layers) for layers in per_step.values())
+        values = np.full((n_layers, len(steps)), np.nan)
+        for column, step in enumerate(steps):
+            for layer, value in per_step[step].items():
+                values[layer, column] = value
+        series[name] = (steps, values)
+    return series
+
+
+def _heatmap(ax, steps: np.ndarray, values: np.ndarray, title: str) -> None:
+    image = ax.imshow(values, aspect="auto", origin="lower", interpolation="nearest",
+                      extent=(steps[0], steps[-1], -0.5, values.shape[0] - 0.5))
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("step")
+    ax.set_ylabel("layer")
+    plt.colorbar(image, ax=ax)
+
+
+def plot_heatmaps(series: dict, out_dir: str) -> list[str]:
+    paths = []
+    for file_name, (stat, title, log10) in HEATMAPS.items():
+        panels = [(kind, series.get(f"{stat}_{kind}")) for kind in ("attn", "ffn")]
+        panels = [(kind, data) for kind, data in panels if data is not None]
+        if not panels:
+            continue
+        fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+        for ax, (kind, (steps, values)) in zip(axes[0], panels, strict=True):
+            shown = np.log10(np.maximum(values, 1e-30)) if log10 else values
+            _heatmap(ax, steps, shown, f"{title}, {kind} input")
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"heatmap_{file_name}.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def plot_loss(records: list[dict], out_dir: str) -> str | None:
+    train = [(r["step"], r["train/loss"]) for r in records if "train/loss" in r]
+    evals = [(r["step"], r["eval/loss"]) for r in records if "eval/loss" in r]
+    lfreq = next((r[k] for r in records for k in ("train/lfreq", "eval/lfreq") if k in r), None)
+    if not train:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(*zip(*train, strict=True), label="train loss")
+    if evals:
+        ax.plot(*zip(*evals, strict=True), "o-", label="eval loss")
+    if lfreq is not None:
+        ax.axhline(lfreq, color="k", linestyle="--", label=f"L_freq = {lfreq:.3f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.legend()
+    fig.tight_layout()
+    path = os.path.join(out_dir, "loss_vs_lfreq.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def render_run_plots(workdir: str) -> list[str]:
+    """Write every figure of the run in ``workdir`` to ``<workdir>/plots``; returns the paths."""
+    out_dir = os.path.join(workdir, "plots")
+    os.makedirs(out_dir, exist_ok=True)
+    records = read_metrics(workdir)
+    paths = plot_heatmaps(layer_series(records), out_dir)
+    loss_path = plot_loss(records, out_dir)
+    return paths + ([loss_path] if loss_path else [])

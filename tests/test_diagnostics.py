@@ -1,0 +1,78 @@
+"""Forward statistics against numpy and against the RMSNorm VJP."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from postnorm import diagnostics as dg
+from postnorm.layers import RMSNorm
+
+
+def numpy_tsim(x_LxD: np.ndarray) -> float:
+    return float(np.sum(x_LxD.sum(0) ** 2) / (len(x_LxD) * np.sum(x_LxD**2)))
+
+
+def test_tsim_against_numpy_and_its_extremes():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 10, 6)) + rng.normal(size=(3, 1, 6))
+    np.testing.assert_allclose(dg.tsim(jnp.asarray(x)), np.mean([numpy_tsim(s) for s in x]),
+                               rtol=1e-5)
+    identical = np.broadcast_to(rng.normal(size=(1, 1, 6)), (1, 10, 6))
+    np.testing.assert_allclose(dg.tsim(jnp.asarray(identical)), 1.0, rtol=1e-6)
+    orthogonal = np.eye(10)[None] * 3.0  # orthogonal equal-norm rows: tsim = 1/n
+    np.testing.assert_allclose(dg.tsim(jnp.asarray(orthogonal)), 0.1, rtol=1e-6)
+
+
+def test_effective_rank_against_numpy():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(12, 8)) * np.linspace(0.1, 3.0, 8)
+    sigma = np.linalg.svd(x, compute_uv=False)
+    p = sigma / sigma.sum()
+    np.testing.assert_allclose(dg.effective_rank(jnp.asarray(x)), np.exp(-np.sum(p * np.log(p))),
+                               rtol=1e-5)
+    rank_one = np.outer(rng.normal(size=12), rng.normal(size=8))
+    np.testing.assert_allclose(dg.effective_rank(jnp.asarray(rank_one)), 1.0, rtol=1e-4)
+
+
+def test_contraction_equals_rmsnorm_vjp_on_directions_orthogonal_to_y():
+    """c = alpha / r(y) is ||vjp(g)|| / ||g|| for g orthogonal to y (scalar gain alpha)."""
+    rng = np.random.default_rng(2)
+    d, alpha, eps = 16, 1.7, 1e-6
+    y_BxLxD = rng.normal(size=(2, 5, d)) * rng.uniform(0.5, 4.0, size=(2, 5, 1))
+    scale = np.full(d, alpha, np.float32)
+    stats = dg.norm_input_stats(jnp.asarray(y_BxLxD, jnp.float32), jnp.asarray(scale), eps)
+    norm = RMSNorm(eps=eps)
+    ratios = []
+    for b in range(2):
+        for i in range(5):
+            y = jnp.asarray(y_BxLxD[b, i], jnp.float32)
+            g = rng.normal(size=d)
+            g = jnp.asarray(g - (g @ y_BxLxD[b, i]) / (y_BxLxD[b, i] @ y_BxLxD[b, i])
+                            * y_BxLxD[b, i], jnp.float32)
+            _, vjp = jax.vjp(lambda v: norm.apply({"params": {"scale": scale}}, v), y)
+            ratios.append(float(jnp.linalg.norm(vjp(g)[0]) / jnp.linalg.norm(g)))
+    np.testing.assert_allclose(stats["c_mean"], np.mean(ratios), rtol=1e-5)
+    np.testing.assert_allclose(stats["c_min"], np.min(ratios), rtol=1e-5)
+    np.testing.assert_allclose(stats["c_bound_mean"], stats["c_mean"], rtol=1e-6)
+    rms = np.sqrt(np.mean(y_BxLxD**2, -1))
+    np.testing.assert_allclose(stats["y_rms_max"], rms.max(), rtol=1e-5)
+
+
+def test_attention_stats_against_numpy():
+    rng = np.random.default_rng(3)
+    n = 6
+    logits = rng.normal(size=(2, 3, n, n)) * 2
+    logits = np.where(np.tril(np.ones((n, n))) > 0, logits, -np.inf)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    got = dg.attention_stats(jnp.asarray(probs, jnp.float32))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        entropy = -np.nansum(np.where(probs > 0, probs * np.log(probs), 0.0), -1)
+    uniform = np.tril(np.ones((n, n))) / np.arange(1, n + 1)[:, None]
+    kl = np.nansum(np.where(probs > 0, probs * np.log(probs / uniform), 0.0), -1)
+    np.testing.assert_allclose(got["attn_entropy"], entropy.mean(), rtol=1e-5)
+    np.testing.assert_allclose(got["attn_kl_uniform"], kl.mean(), rtol=1e-4)
+    np.testing.assert_allclose(got["attn_tv_uniform"], 0.5 * np.abs(probs - uniform).sum(-1).mean(),
+                               rtol=1e-5)
+    prefix = dg.attention_stats(jnp.asarray(uniform[None, None], jnp.float32))
+    np.testing.assert_allclose(prefix["attn_kl_uniform"], 0.0, atol=1e-6)
