@@ -6,14 +6,20 @@ into ``<workdir>/plots``) and ``params`` (print the parameter count of the confi
 without loading data).
 """
 
+import os
+import sys
+
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
 from postnorm import train
+from postnorm.checkpoint import CheckpointError
+from postnorm.data import DataError
+from postnorm.data.tokenizers import read_user_sentencepiece
 from postnorm.model import ModelSpec, param_count_formula
 from postnorm.plots import render_run_plots
-from postnorm.validation import check_model
+from postnorm.validation import ConfigError, check_model
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/default.py:pre.",
@@ -24,15 +30,29 @@ flags.mark_flags_as_required(["config"])
 
 
 def print_param_count(config) -> None:
-    """Parameter counts by group; the vocabulary size is data.vocab_size."""
+    """Parameter counts by group. The vocabulary is data.tokenizer_path's when that file
+    exists, else data.vocab_size."""
     check_model(config)
-    spec = ModelSpec.from_config(config.model, vocab_size=config.data.vocab_size,
+    vocab_size, origin = config.data.vocab_size, "data.vocab_size"
+    if os.path.isfile(os.path.expanduser(config.data.tokenizer_path)):
+        vocab_size = read_user_sentencepiece(config.data.tokenizer_path).vocab_size
+        origin = config.data.tokenizer_path
+    print(f"vocabulary: {vocab_size:,} (from {origin})")
+    spec = ModelSpec.from_config(config.model, vocab_size=vocab_size,
                                  max_len=config.data.seq_len)
     for group, count in param_count_formula(spec).items():
         print(f"{group:>14}: {count:>13,} ({count / 1e6:.1f}M)")
 
 
 def main(argv: list[str]) -> None:
+    try:
+        run(argv)
+    except (ConfigError, DataError, CheckpointError) as err:
+        print(f"postnorm: error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     config = FLAGS.config

@@ -29,6 +29,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.seq_len = 2048
     c.data.batch_size = 64
     c.data.tokenizer_path = "spm_t5_32k.model"
+    c.data.vocab_size = 32128  # the T5 vocabulary; used by --mode=params without the file
     c.data.lfreq_sample_docs = 20000
 
     c.opt.lr = 3e-4
@@ -48,6 +49,7 @@ def _runlocal(c: ml_collections.ConfigDict) -> None:
     c.model.n_layers = 4
     c.data.source = "embedded"
     c.data.tokenizer_path = ""
+    c.data.vocab_size = 8192
     c.data.lfreq_sample_docs = 0
     c.data.seq_len = 128
     c.data.batch_size = 4

@@ -1,0 +1,86 @@
+"""Cost of the diagnostic step relative to the plain train step, measured side by side.
+
+    python benchmarks/diag_overhead.py --config configs/default.py --repeats 15
+
+Both steps are compiled for the config's model and a random token batch of the config's
+shape; repeats are interleaved (train, diag, train, diag, ...) and timed with a device sync
+after each step. Prints JSON: median seconds per step, the diag/train ratio, XLA's memory
+analysis of both compiled steps, and whether the plain step's program contains any
+diagnostic operation (it is traced without probes, so it should contain none).
+"""
+
+import json
+import statistics
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+from postnorm.model import ModelSpec
+from postnorm.optim import make_optimizer
+from postnorm.sharding import batch_sharding, make_mesh
+from postnorm.step_builder import compile_steps
+
+config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
+flags.DEFINE_integer("repeats", 15, "Timed repeats of each step.")
+flags.DEFINE_integer("vocab_size", 8192, "Vocabulary size (the data is random tokens).")
+FLAGS = flags.FLAGS
+
+
+def memory(compiled) -> dict[str, int]:
+    analysis = compiled.memory_analysis()
+    fields = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes")
+    out = {f: int(getattr(analysis, f)) for f in fields}
+    out["peak_estimate_bytes"] = out["temp_size_in_bytes"] + out["argument_size_in_bytes"]
+    return out
+
+
+def main(_):
+    config = FLAGS.config
+    spec = ModelSpec.from_config(config.model, vocab_size=FLAGS.vocab_size,
+                                 max_len=config.data.seq_len)
+    mesh = make_mesh(config.mesh)
+    tx, schedule = make_optimizer(config.opt, config.train.steps)
+    steps = compile_steps(spec, tx, schedule, mesh)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, FLAGS.vocab_size, (config.data.batch_size, config.data.seq_len + 1))
+    batch = {k: jax.device_put(v.astype(np.int32), batch_sharding(mesh))
+             for k, v in (("inputs", tokens[:, :-1]), ("targets", tokens[:, 1:]))}
+
+    state = steps.init(config.seed)
+    lowered = {"train": steps.train.lower(state, batch), "diag": steps.diag.lower(state, batch)}
+    compiled = {name: low.compile() for name, low in lowered.items()}
+    train_text = lowered["train"].as_text()
+
+    times = {"train": [], "diag": []}
+    for name in ("train", "diag"):  # warm-up
+        state, *_ = compiled[name](state, batch)
+    for _ in range(FLAGS.repeats):
+        for name in ("train", "diag"):
+            jax.block_until_ready(state)
+            start = time.perf_counter()
+            state, *rest = compiled[name](state, batch)
+            jax.block_until_ready((state, rest))
+            times[name].append(time.perf_counter() - start)
+
+    median = {name: statistics.median(t) for name, t in times.items()}
+    mem = {name: memory(c) for name, c in compiled.items()}
+    print(json.dumps({
+        "config": {"n_layers": spec.n_layers, "d_model": spec.d_model,
+                   "seq_len": config.data.seq_len, "batch_size": config.data.batch_size,
+                   "norm": spec.norm, "devices": jax.device_count()},
+        "repeats": FLAGS.repeats,
+        "median_step_s": median,
+        "diag_over_train_time": median["diag"] / median["train"],
+        "memory": mem,
+        "diag_over_train_peak_memory": (mem["diag"]["peak_estimate_bytes"]
+                                        / mem["train"]["peak_estimate_bytes"]),
+        "train_step_has_diagnostic_ops": any(op in train_text for op in ("svd", "custom_vjp",
+                                                                          "probe")),
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    app.run(main)

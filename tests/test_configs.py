@@ -1,0 +1,84 @@
+"""Config files, variants, key=value overrides, and the CLI's handling of bad input."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from configs import default, paper
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_variants_and_overrides():
+    assert default.get_config("post").model.norm == "post"
+    config = default.get_config("pre,lr=3e-3,model.n_layers=24,steps=50,model.tie_embeddings=true")
+    assert config.model.norm == "pre"
+    assert config.opt.lr == pytest.approx(3e-3) and isinstance(config.opt.lr, float)
+    assert config.model.n_layers == 24 and isinstance(config.model.n_layers, int)
+    assert config.train.steps == 50
+    assert config.model.tie_embeddings is True
+
+
+def test_later_tokens_win():
+    assert default.get_config("pre,norm=post").model.norm == "post"
+
+
+@pytest.mark.parametrize("arg,message", [
+    ("sandwich", "unknown config variant 'sandwich'"),
+    ("model.n_layer=3", "unknown config key 'model.n_layer'"),
+    ("nosection.x=1", "no section 'nosection'"),
+    ("layers=2.5", "expected int"),
+    ("lr=fast", "expected float"),
+    ("model.tie_embeddings=maybe", "expected a boolean"),
+])
+def test_bad_arguments_name_the_problem(arg, message):
+    with pytest.raises(ValueError, match=message):
+        default.get_config(arg)
+
+
+def test_paper_config_and_runlocal():
+    config = paper.get_config()
+    assert (config.model.n_layers, config.model.d_model, config.model.d_ff,
+            config.model.n_heads, config.data.seq_len) == (48, 512, 1536, 4, 2048)
+    assert config.data.source == "c4"
+    local = paper.get_config("runlocal")
+    assert local.data.source == "embedded" and local.model.d_model == 512
+
+
+def run_main(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "main.py", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_cli_invalid_field_fails_before_building_anything(tmp_path):
+    workdir = tmp_path / "run"
+    result = run_main("--config", "configs/default.py:model.n_heads=5", "--workdir", str(workdir))
+    assert result.returncode == 2
+    assert "model.d_model=64 is not divisible by model.n_heads=5" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not workdir.exists()
+
+
+def test_cli_missing_c4_says_where_it_looked(tmp_path):
+    result = run_main("--config", f"configs/paper.py:data.data_dir={tmp_path}", "--workdir",
+                      str(tmp_path / "run"))
+    assert result.returncode == 2
+    assert f"{tmp_path}/c4/en/3.0.1" in result.stderr
+    assert "docs/C4.md" in result.stderr
+
+
+def test_cli_unreadable_tokenizer(tmp_path):
+    bad = tmp_path / "spm.model"
+    bad.write_bytes(b"not a sentencepiece model")
+    result = run_main("--config", f"configs/default.py:data.tokenizer_path={bad}", "--workdir",
+                      str(tmp_path / "run"))
+    assert result.returncode == 2
+    assert str(bad) in result.stderr and "not a valid SentencePiece model" in result.stderr
+
+
+def test_cli_params_mode_prints_the_paper_count():
+    result = run_main("--config", "configs/paper.py", "--mode=params")
+    assert result.returncode == 0, result.stderr
+    assert "180.1M" in result.stdout
