@@ -104,3 +104,27 @@ def test_every_statistic_is_finite_and_nonzero(norm):
         values = np.array([v for k, v in flat.items() if k.split("/")[1] == name])
         assert np.all(np.isfinite(values)), name
         assert np.any(values != 0), name
+
+
+def test_per_layer_parameter_gradient_and_update_norms_against_numpy():
+    spec, model, params, inputs, targets = setup("post")
+    tx = optax.adamw(1e-3)
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    batch = {"inputs": inputs, "targets": targets}
+    new_state, _, stats = diag_step(state, batch, optax.constant_schedule(1e-3))
+
+    def loss_fn(p):
+        return cross_entropy(model.apply({"params": p}, inputs), targets)
+
+    grads = jax.grad(loss_fn)(params)["layers"]
+    trees = {"param_norm": params["layers"], "grad_norm": grads,
+             "update_norm": jax.tree.map(np.subtract, new_state.params["layers"],
+                                         params["layers"])}
+    groups = {"attn": ["attn"], "ffn": ["ffn"], "norm": ["norm_attn", "norm_ffn"]}
+    for prefix, tree in trees.items():
+        for group, names in groups.items():
+            want = [np.sqrt(sum(np.sum(np.asarray(leaf[layer], np.float64) ** 2)
+                                for name in names for leaf in jax.tree.leaves(tree[name])))
+                    for layer in range(spec.n_layers)]
+            np.testing.assert_allclose(stats[f"{prefix}_{group}"], want, rtol=1e-4,
+                                       err_msg=f"{prefix}_{group}")
