@@ -1,0 +1,52 @@
+"""Summary of a finished run from its ``metrics.jsonl``: loss against L_freq and gradient decay.
+
+    python -m postnorm.run_summary runs/post runs/pre
+
+Prints one JSON object per run directory.
+"""
+
+import json
+import sys
+
+import numpy as np
+
+from postnorm.plots import layer_series, read_metrics
+
+
+def summarize(workdir: str, early_layers: int = 4, tail: int = 3) -> dict:
+    """Final loss (mean of the last ``tail`` logged steps) against L_freq, and the change of
+    ||dL/dX|| at the attention input of the early layers and of the last layer, from the first
+    diagnostic step to the last."""
+    records = read_metrics(workdir)
+    train = [(r["step"], r["train/loss"]) for r in records if "train/loss" in r]
+    lfreq = next(r["train/lfreq"] for r in records if "train/lfreq" in r)
+    final_loss = float(np.mean([loss for _, loss in train[-tail:]]))
+    evals = [r["eval/loss"] for r in records if "eval/loss" in r]
+    summary = {
+        "workdir": workdir,
+        "final_step": train[-1][0],
+        "final_train_loss": final_loss,
+        "final_eval_loss": evals[-1] if evals else None,
+        "lfreq": lfreq,
+        "train_loss_over_lfreq": final_loss / lfreq,
+    }
+    series = layer_series(records)
+    if "dldx_norm_attn" in series:
+        steps, grad_LxS = series["dldx_norm_attn"]
+        first, last = grad_LxS[:, 0], grad_LxS[:, -1]
+        summary["diag_steps"] = [int(steps[0]), int(steps[-1])]
+        summary["dldx_first_over_last_early_layers"] = (first[:early_layers]
+                                                        / last[:early_layers]).tolist()
+        summary["dldx_first_over_last_last_layer"] = float(first[-1] / last[-1])
+        _, tsim_LxS = series["tsim_attn"]
+        summary["fraction_of_layers_tsim_ge_0.99"] = float(np.mean(tsim_LxS[:, -1] >= 0.99))
+    return summary
+
+
+def main(argv: list[str]) -> None:
+    for workdir in argv[1:]:
+        print(json.dumps(summarize(workdir), indent=2))
+
+
+if __name__ == "__main__":
+    main(sys.argv)
