@@ -1,6 +1,6 @@
 """Cost of the diagnostic step relative to the plain train step, measured side by side.
 
-    python benchmarks/diag_overhead.py --config configs/default.py --repeats 15
+    python -m benchmarks.diag_overhead --config configs/default.py --repeats 15
 
 Both steps are compiled for the config's model and a random token batch of the config's
 shape; repeats are interleaved (train, train, diag, ...) and timed with a device sync after
