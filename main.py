@@ -4,6 +4,13 @@ Modes: ``train`` (default; resumes from the latest checkpoint in the workdir), `
 (evaluate the latest checkpoint on the validation split), ``plots`` (render the run's figures
 into ``<workdir>/plots``) and ``params`` (print the parameter count of the config's model
 without loading data).
+
+Multi-process runs pass ``--coordinator_address HOST:PORT --num_processes N --process_id I``
+to every process (``jax.distributed.initialize`` is called only when they are given).
+
+Exit status: 0 when done or preempted (SIGTERM: a checkpoint was saved; rerun to resume),
+1 for bad flags, 2 for a config, data or checkpoint error, 3 when a non-finite step stopped
+training.
 """
 
 import os
@@ -18,7 +25,9 @@ from postnorm.checkpoint import CheckpointError
 from postnorm.data import DataError
 from postnorm.data.tokenizers import read_user_sentencepiece
 from postnorm.model import ModelSpec, param_count_formula
+from postnorm.nonfinite import NonFiniteError
 from postnorm.plots import render_run_plots
+from postnorm.preemption import Preempted
 from postnorm.validation import ConfigError, check_model
 
 FLAGS = flags.FLAGS
@@ -26,6 +35,10 @@ config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/defau
                                 lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and plots.")
 flags.DEFINE_enum("mode", "train", ["train", "eval", "plots", "params"], "What to run.")
+flags.DEFINE_string("coordinator_address", None,
+                    "Multi-process runs: HOST:PORT of process 0's coordinator.")
+flags.DEFINE_integer("num_processes", None, "Multi-process runs: the number of processes.")
+flags.DEFINE_integer("process_id", None, "Multi-process runs: this process's index.")
 flags.mark_flags_as_required(["config"])
 
 
@@ -44,12 +57,33 @@ def print_param_count(config) -> None:
         print(f"{group:>14}: {count:>13,} ({count / 1e6:.1f}M)")
 
 
+def init_distributed() -> None:
+    """``jax.distributed.initialize`` from the three multi-process flags, if given."""
+    given = [FLAGS[name].value is not None
+             for name in ("coordinator_address", "num_processes", "process_id")]
+    if not any(given):
+        return
+    if not all(given):
+        raise app.UsageError("--coordinator_address, --num_processes and --process_id go "
+                             "together: give all three or none")
+    if not 0 <= FLAGS.process_id < FLAGS.num_processes:
+        raise app.UsageError(f"--process_id={FLAGS.process_id} must be in "
+                             f"[0, --num_processes={FLAGS.num_processes})")
+    jax.distributed.initialize(coordinator_address=FLAGS.coordinator_address,
+                               num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
+
+
 def main(argv: list[str]) -> None:
     try:
         run(argv)
+    except Preempted as stop:
+        print(f"postnorm: {stop}", file=sys.stderr)
     except (ConfigError, DataError, CheckpointError) as err:
         print(f"postnorm: error: {err}", file=sys.stderr)
         sys.exit(2)
+    except NonFiniteError as err:
+        print(f"postnorm: error: {err}", file=sys.stderr)
+        sys.exit(3)
 
 
 def run(argv: list[str]) -> None:
@@ -65,6 +99,7 @@ def run(argv: list[str]) -> None:
         for path in render_run_plots(FLAGS.workdir):
             print(path)
         return
+    init_distributed()
     logging.info("JAX %s: process %d of %d, %d local / %d global devices: %s", jax.__version__,
                  jax.process_index(), jax.process_count(), jax.local_device_count(),
                  jax.device_count(), jax.devices())

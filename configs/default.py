@@ -58,6 +58,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.eval_batches = 4
     c.train.ckpt_every = 100
     c.train.keep_ckpts = 3
+    c.train.nonfinite = "abort"  # abort | skip | rollback: a step with a NaN/Inf loss or gradient
+    c.train.rollback_lr_factor = 0.5  # rollback: the learning rate is multiplied by this
+    c.train.max_rollbacks = 3  # rollback: after this many, stop as abort does
 
     c.diag = ml_collections.ConfigDict()
     c.diag.every = 10  # diag_step (per-layer statistics) runs at step 1 and every `every` steps

@@ -6,12 +6,19 @@ Thin wrapper around an orbax ``CheckpointManager``. On-disk layout::
       <step>/                            # one finalized checkpoint per saved step
         state/                           # TrainState pytree (orbax StandardSave, OCDBT)
         data/process_<i>-of-<n>.json     # grain iterator state, one file per JAX process
+        integrity/                       # checksums of the state's arrays (postnorm.checksum)
         _CHECKPOINT_METADATA, commit_success.txt
       <step>.orbax-checkpoint-tmp/       # in-flight (or interrupted) save, never restored
+      <step>.corrupt/                    # a step that failed to restore, moved aside
 
 A save is written into ``<step>.orbax-checkpoint-tmp`` and renamed to ``<step>`` only once
 every item has been written, so a crash mid-save never yields a partial "latest" checkpoint.
 Stale tmp directories are deleted (in the background) when a ``Checkpointer`` is created.
+
+A restore verifies the arrays against the saved checksums (orbax itself reads garbled array
+data without complaint). A step that cannot be read or does not match is logged and the next
+older one is tried; once an older one restores, the unusable newer ones are renamed to
+``<step>.corrupt`` so they are neither restored nor counted as kept.
 """
 
 from __future__ import annotations
@@ -21,8 +28,14 @@ import tempfile
 from typing import Any
 
 import grain
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
 from etils import epath
+from jax.experimental import multihost_utils
+
+from postnorm.checksum import tree_checksums
 
 PyTree = Any
 
@@ -43,6 +56,13 @@ def _check_writable(directory: epath.Path) -> None:
             "Use a workdir whose checkpoints/ subdirectory can be created and written "
             "(no parent path may be a regular file; check permissions and free space)."
         ) from e
+
+
+def _all_processes_agree(ok: bool) -> bool:
+    """True iff ``ok`` on every JAX process."""
+    if jax.process_count() == 1:
+        return ok
+    return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
 
 
 class Checkpointer:
@@ -82,33 +102,99 @@ class Checkpointer:
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             data=grain.checkpoint.CheckpointSave(data_iterator),
+            integrity=ocp.args.JsonSave({"state": tree_checksums(state)}),
         )
-        return self._manager.save(step, args=args, force=True)
+        try:
+            return self._manager.save(step, args=args, force=True)
+        except (OSError, ValueError) as e:
+            raise self._write_error(e) from e
 
     def restore_latest(
         self, abstract_state: PyTree, data_iterator: grain.DatasetIterator
     ) -> tuple[PyTree, int] | None:
-        """Restores the newest checkpoint, or returns None when there is none.
+        """Restores the newest usable checkpoint, or returns None when there is none.
 
         `abstract_state` is a pytree of `jax.ShapeDtypeStruct` carrying `.sharding`; arrays
-        are restored with exactly those shardings. `data_iterator` is rewound in place.
+        are restored with exactly those shardings. `data_iterator` is rewound in place. A step
+        that fails to restore is logged and skipped; if every step fails, CheckpointError.
         """
-        step = self._manager.latest_step()
-        if step is None:
-            return None
+        failures = []
+        for step in sorted(self._manager.all_steps(), reverse=True):
+            try:
+                state, error = self._restore_step(step, abstract_state, data_iterator), None
+            except Exception as e:  # any failure makes the step unusable: try an older one
+                state, error = None, e
+            if _all_processes_agree(error is None):
+                self._quarantine([failed for failed, _ in failures])
+                return state, step
+            reason = error or "another process could not restore it"
+            logging.error("checkpoint step %d in %s is unusable: %s", step, self.directory, reason)
+            failures.append((step, reason))
+        if failures:
+            details = "; ".join(f"step {step}: {reason}" for step, reason in failures)
+            raise CheckpointError(
+                f"No checkpoint in {self.directory} can be restored ({details}). If the config "
+                "changed since they were written, restore the old config or use a new --workdir; "
+                "otherwise the files are damaged: move the directory aside to start over."
+            )
+        return None
+
+    def _restore_step(
+        self, step: int, abstract_state: PyTree, data_iterator: grain.DatasetIterator
+    ) -> PyTree:
+        """The state of `step`, verified against the checksums saved with it."""
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state),
                 data=grain.checkpoint.CheckpointRestore(data_iterator),
+                integrity=ocp.args.JsonRestore(),
             ),
         )
-        return restored.state, step
+        saved, actual = restored.integrity["state"], tree_checksums(restored.state)
+        bad = sorted(k for k in saved.keys() | actual.keys() if saved.get(k) != actual.get(k))
+        if bad:
+            raise CheckpointError(
+                f"the arrays {bad} read from {self.directory / str(step) / 'state'} do not match "
+                "the checksums saved with them: the files are corrupt"
+            )
+        return restored.state
+
+    def _quarantine(self, steps: list[int]) -> None:
+        """Renames the unusable `steps` to `<step>.corrupt[-k]` (process 0) and rescans."""
+        if not steps:
+            return
+        if jax.process_index() == 0:
+            for step in steps:
+                target, k = self.directory / f"{step}.corrupt", 0
+                while target.exists():
+                    k += 1
+                    target = self.directory / f"{step}.corrupt-{k}"
+                (self.directory / str(step)).rename(target)
+                logging.warning("moved the unusable checkpoint step %d to %s", step, target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("postnorm: checkpoints quarantined")
+        self._manager.reload()
+
+    def _write_error(self, error: Exception) -> CheckpointError:
+        latest = self.latest_step()
+        resume = "step 0, as none is finalized" if latest is None else f"step {latest}"
+        return CheckpointError(
+            f"Writing a checkpoint under {self.directory} failed ({error}). Free space on that "
+            "filesystem or fix its permissions (or use another --workdir), then rerun: the run "
+            f"resumes from the latest finalized checkpoint ({resume})."
+        )
 
     def wait_until_finished(self) -> None:
-        """Blocks until background saves are finalized; re-raises their errors."""
-        self._manager.wait_until_finished()
+        """Blocks until background saves are finalized; their errors raise CheckpointError."""
+        try:
+            self._manager.wait_until_finished()
+        except (OSError, ValueError) as e:
+            raise self._write_error(e) from e
 
     def close(self) -> None:
         """Waits for pending saves and releases the manager's resources."""
-        self._manager.close()
+        try:
+            self._manager.close()
+        except (OSError, ValueError) as e:
+            raise self._write_error(e) from e

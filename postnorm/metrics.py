@@ -23,11 +23,13 @@ def layer_key(name: str, layer: int, n_layers: int) -> str:
 
 
 def truncate_jsonl(path: str, last_step: int) -> None:
-    """Drop records after ``last_step`` (a resumed run rewrites the steps it repeats)."""
+    """Drop records after ``last_step`` (a resumed run rewrites the steps it repeats), and a
+    last line that a killed writer left without its newline."""
     if not os.path.exists(path):
         return
     with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= last_step]
+        kept = [line for line in f if line.endswith("\n") and line.strip()
+                and json.loads(line)["step"] <= last_step]
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         f.writelines(kept)

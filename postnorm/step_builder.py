@@ -2,7 +2,8 @@
 
 Parameter shardings come from the params' logical axes; the optimizer state mirrors them.
 Both update steps take ``(state, batch)``, donate the old state and return the new one with
-the same shardings, so the loop can alternate between them freely.
+the same shardings, so the loop can alternate between them freely. Both are guarded against
+non-finite steps (``postnorm.nonfinite``).
 """
 
 import dataclasses
@@ -13,11 +14,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-from flax.training.train_state import TrainState
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from postnorm.diag_step import diag_step
 from postnorm.model import Decoder, ModelSpec
+from postnorm.nonfinite import GuardedState, guard
 from postnorm.sharding import batch_sharding, tree_shardings
 from postnorm.steps import Batch, eval_step, train_step
 
@@ -26,26 +27,30 @@ from postnorm.steps import Batch, eval_step, train_step
 class CompiledSteps:
     """The state's shardings, a sharded initializer and the jitted steps."""
 
-    state_shardings: TrainState
-    abstract_state: TrainState
-    init: Callable[[int], TrainState]
-    train: Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array]]]
-    diag: Callable[[TrainState, Batch], tuple[TrainState, dict[str, jax.Array], dict]]
-    evaluate: Callable[[TrainState, Batch], jax.Array]
+    state_shardings: GuardedState
+    abstract_state: GuardedState
+    init: Callable[[int], GuardedState]
+    train: Callable[[GuardedState, Batch], tuple[GuardedState, dict[str, jax.Array]]]
+    diag: Callable[[GuardedState, Batch], tuple[GuardedState, dict[str, jax.Array], dict]]
+    evaluate: Callable[[GuardedState, Batch], jax.Array]
 
 
 def compile_steps(spec: ModelSpec, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                  mesh: Mesh) -> CompiledSteps:
-    """Build the shardings of the state and jit every step against ``mesh``."""
+                  mesh: Mesh, *, halt_on_nonfinite: bool = True) -> CompiledSteps:
+    """Build the shardings of the state and jit every step against ``mesh``.
+
+    ``halt_on_nonfinite``: freeze the state at the first non-finite step (policies ``abort``
+    and ``rollback``) rather than only skipping that step's update (``skip``).
+    """
     model = Decoder(spec)
     tokens_1xL = jnp.zeros((1, spec.max_len), jnp.int32)
 
     def init_params(rng: jax.Array):
         return model.init(rng, tokens_1xL)["params"]
 
-    def init_state(seed: int) -> TrainState:
+    def init_state(seed: int) -> GuardedState:
         params = nn.unbox(init_params(jax.random.key(seed)))
-        return TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+        return GuardedState.create_guarded(apply_fn=model.apply, params=params, tx=tx)
 
     param_shardings = tree_shardings(mesh, jax.eval_shape(init_params, jax.random.key(0)))
     abstract = jax.eval_shape(init_state, 0)
@@ -53,7 +58,9 @@ def compile_steps(spec: ModelSpec, tx: optax.GradientTransformation, schedule: o
     opt_shardings = optax.tree_map_params(
         tx, lambda _, sharding: sharding, abstract.opt_state, param_shardings,
         transform_non_params=lambda _: replicated)
-    shardings = abstract.replace(step=replicated, params=param_shardings, opt_state=opt_shardings)
+    shardings = abstract.replace(step=replicated, params=param_shardings, opt_state=opt_shardings,
+                                 skipped_steps=replicated, halted_at=replicated,
+                                 lr_scale=replicated, rollbacks=replicated)
     abstract_state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
@@ -63,10 +70,12 @@ def compile_steps(spec: ModelSpec, tx: optax.GradientTransformation, schedule: o
         state_shardings=shardings,
         abstract_state=abstract_state,
         init=jax.jit(init_state, static_argnums=0, out_shardings=shardings),
-        train=jax.jit(functools.partial(train_step, schedule=schedule),
+        train=jax.jit(guard(functools.partial(train_step, schedule=schedule),
+                            halt=halt_on_nonfinite),
                       in_shardings=(shardings, batch_shardings),
                       out_shardings=(shardings, replicated), donate_argnums=0),
-        diag=jax.jit(functools.partial(diag_step, schedule=schedule),
+        diag=jax.jit(guard(functools.partial(diag_step, schedule=schedule),
+                           halt=halt_on_nonfinite),
                      in_shardings=(shardings, batch_shardings),
                      out_shardings=(shardings, replicated, replicated), donate_argnums=0),
         evaluate=jax.jit(eval_step, in_shardings=(shardings, batch_shardings),

@@ -4,6 +4,12 @@ Step t's metrics are fetched only after step t+1 is dispatched, and only on logg
 so the host never waits on the device in between. A run resumes from the latest checkpoint in
 ``<workdir>/checkpoints`` (state and data-iterator position) and rewrites the metrics of any
 steps it repeats.
+
+A non-finite step (``postnorm.nonfinite``) is handled per ``train.nonfinite``: ``skip`` needs
+nothing from the host; with ``abort`` and ``rollback`` the device freezes the state, and the
+host reads the freeze flag with the metrics it fetches anyway and before every eval and
+checkpoint, so a frozen state is never evaluated or saved. On SIGTERM (``postnorm.preemption``)
+the loop saves a checkpoint after the current step and raises ``Preempted``.
 """
 
 import dataclasses
@@ -19,13 +25,16 @@ from jax.experimental import multihost_utils
 from postnorm.checkpoint import Checkpointer
 from postnorm.data import LMData, load_data
 from postnorm.diag_step import flatten_diagnostics
+from postnorm.forensics import write_nonfinite_dump
 from postnorm.metrics import JSONL_NAME, MetricWriter, Progress, truncate_jsonl
 from postnorm.model import ModelSpec, param_count_formula
+from postnorm.nonfinite import GuardedState, NonFiniteError
 from postnorm.optim import make_optimizer
 from postnorm.plots import render_run_plots
+from postnorm.preemption import Preempted, PreemptionWatch
 from postnorm.sharding import batch_sharding, make_mesh
 from postnorm.step_builder import CompiledSteps, compile_steps
-from postnorm.validation import check_config
+from postnorm.validation import check_config, check_vocab_layout
 
 
 @dataclasses.dataclass
@@ -37,6 +46,7 @@ class Experiment:
     spec: ModelSpec
     steps: CompiledSteps
     mesh: jax.sharding.Mesh
+    eval_batches: list[dict[str, np.ndarray]]  # this process's share of the validation batches
 
 
 def _load_data_once(config: ml_collections.ConfigDict) -> LMData:
@@ -50,30 +60,43 @@ def _load_data_once(config: ml_collections.ConfigDict) -> LMData:
 
 
 def build_experiment(config: ml_collections.ConfigDict) -> Experiment:
-    """Load data and build the model, mesh and compiled steps of a validated config."""
+    """Load data and build the model, mesh and compiled steps of a validated config.
+
+    The validation batches are read here, so a split too small for them fails before training.
+    """
     data = _load_data_once(config)
+    check_vocab_layout(config, vocab_size=data.tokenizer.vocab_size,
+                       device_count=jax.device_count())
+    eval_batches = data.eval_batches(
+        batch_size=config.data.batch_size // jax.process_count(),
+        num_batches=config.train.eval_batches, process_index=jax.process_index(),
+        process_count=jax.process_count())
     spec = ModelSpec.from_config(config.model, vocab_size=data.tokenizer.vocab_size,
                                  max_len=config.data.seq_len)
     counts = param_count_formula(spec)
     logging.info("parameters: %s", ", ".join(f"{k}={v:,}" for k, v in counts.items()))
     mesh = make_mesh(config.mesh)
     tx, schedule = make_optimizer(config.opt, config.train.steps)
-    return Experiment(config, data, spec, compile_steps(spec, tx, schedule, mesh), mesh)
+    steps = compile_steps(spec, tx, schedule, mesh,
+                          halt_on_nonfinite=config.train.nonfinite != "skip")
+    return Experiment(config, data, spec, steps, mesh, eval_batches)
 
 
 def _global_batch(local: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
 
 
+def train_iterator(exp: Experiment):
+    """A fresh iterator over this process's shard of the training batches (position 0)."""
+    return exp.data.train_iterator(
+        batch_size=exp.config.data.batch_size // jax.process_count(), seed=exp.config.seed,
+        process_index=jax.process_index(), process_count=jax.process_count())
+
+
 def evaluate(exp: Experiment, state) -> float:
     """Mean validation cross-entropy over ``train.eval_batches`` fixed batches."""
-    cfg = exp.config
-    local = exp.data.eval_batches(
-        batch_size=cfg.data.batch_size // jax.process_count(),
-        num_batches=cfg.train.eval_batches, process_index=jax.process_index(),
-        process_count=jax.process_count())
     sharding = batch_sharding(exp.mesh)
-    losses = [exp.steps.evaluate(state, _global_batch(b, sharding)) for b in local]
+    losses = [exp.steps.evaluate(state, _global_batch(b, sharding)) for b in exp.eval_batches]
     return float(np.mean(jax.device_get(losses)))
 
 
@@ -83,18 +106,31 @@ def _write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
             f.write(config.to_json_best_effort(indent=2))
 
 
-def _restore_or_init(exp: Experiment, ckpt: Checkpointer, data_iter):
+def _restore_or_init(exp: Experiment, ckpt: Checkpointer):
+    """(state, step, data iterator) of the latest usable checkpoint, or of step 0."""
+    data_iter = train_iterator(exp)
     restored = ckpt.restore_latest(exp.steps.abstract_state, data_iter)
     if restored is None:
         logging.info("no checkpoint in %s: starting from step 0", ckpt.directory)
-        return exp.steps.init(exp.config.seed), 0
+        return exp.steps.init(exp.config.seed), 0, data_iter
     state, step = restored
     logging.info("resumed from the checkpoint at step %d", step)
-    return state, step
+    return state, step, data_iter
+
+
+def _open_metrics(workdir: str, last_step: int) -> MetricWriter:
+    """A metric writer, after dropping the records of steps after ``last_step``."""
+    if jax.process_index() == 0:
+        truncate_jsonl(os.path.join(workdir, JSONL_NAME), last_step)
+    return MetricWriter(workdir, enabled=jax.process_index() == 0)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
-    """Train ``config`` in ``workdir`` (resuming if possible); returns the final metrics."""
+    """Train ``config`` in ``workdir`` (resuming if possible); returns the final metrics.
+
+    Raises ``Preempted`` after checkpointing on SIGTERM, and ``NonFiniteError`` when a
+    non-finite step stops the run (policy ``abort``, or ``rollback`` out of rollbacks).
+    """
     check_config(config, device_count=jax.device_count(), process_count=jax.process_count())
     workdir = os.path.abspath(os.path.expanduser(workdir))
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), save_every=config.train.ckpt_every,
@@ -104,51 +140,123 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     if jax.process_index() == 0:
         with open(os.path.join(workdir, "data_info.json"), "w") as f:
             json.dump(exp.data.info, f, indent=2)
-    lfreq = exp.data.lfreq
-    data_iter = exp.data.train_iterator(
-        batch_size=config.data.batch_size // jax.process_count(), seed=config.seed,
-        process_index=jax.process_index(), process_count=jax.process_count())
-    state, start = _restore_or_init(exp, ckpt, data_iter)
-
-    if jax.process_index() == 0:
-        truncate_jsonl(os.path.join(workdir, JSONL_NAME), start)
-    writer = MetricWriter(workdir, enabled=jax.process_index() == 0)
-    total = config.train.steps
-    reporter = _Reporter(writer, Progress(total, config.data.batch_size * config.data.seq_len,
-                                          start), lfreq)
-    sharding = batch_sharding(exp.mesh)
+    state, start, data_iter = _restore_or_init(exp, ckpt)
+    reporter = _Reporter(workdir, config.data.batch_size * config.data.seq_len,
+                         config.train.steps, exp.data.lfreq)
+    reporter.restart(start, int(state.skipped_steps))
+    watch = PreemptionWatch(start)
     try:
-        for step in range(start + 1, total + 1):
-            batch = _global_batch(next(data_iter), sharding)
-            is_diag = step % config.diag.every == 0 or step == 1
-            if is_diag:
-                state, device_metrics, device_diag = exp.steps.diag(state, batch)
-            else:
-                (state, device_metrics), device_diag = exp.steps.train(state, batch), None
-            reporter.flush()  # step - 1's metrics: the device is already busy with this step
-            is_log = step % config.train.log_every == 0 or step in (start + 1, total)
-            if is_log or is_diag:
-                reporter.hold(step, device_metrics if is_log else None, device_diag)
-            if step % config.train.eval_every == 0 or step == total:
-                reporter.flush()
-                reporter.write_eval(step, evaluate(exp, state))
-            ckpt.save(step, state, data_iter, force=step == total)
-        reporter.flush()
+        _train_loop(exp, ckpt, watch, reporter, state, start, data_iter, workdir)
     finally:
-        writer.close()
+        watch.close()
+        reporter.close()
         ckpt.close()
     if jax.process_index() == 0:
         render_run_plots(workdir)
     return reporter.final
 
 
+def _train_loop(exp: Experiment, ckpt: Checkpointer, watch: PreemptionWatch,
+                reporter: "_Reporter", state: GuardedState, start: int, data_iter,
+                workdir: str) -> None:
+    """Steps ``start + 1 .. train.steps``, with evals, checkpoints, rollbacks and preemption."""
+    config = exp.config
+    total = config.train.steps
+    halting = config.train.nonfinite != "skip"
+    positions = {}  # step -> data-iterator state before its batch, since the last clean check
+    sharding = batch_sharding(exp.mesh)
+    step = start
+    while step < total:
+        step += 1
+        if halting:
+            positions[step] = data_iter.get_state()
+        batch = _global_batch(next(data_iter), sharding)
+        is_diag = step % config.diag.every == 0 or step == 1
+        if is_diag:
+            state, device_metrics, device_diag = exp.steps.diag(state, batch)
+        else:
+            (state, device_metrics), device_diag = exp.steps.train(state, batch), None
+        reporter.flush()  # step - 1's metrics: the device is already busy with this step
+        is_log = step % config.train.log_every == 0 or step in (start + 1, total)
+        if is_log or is_diag:
+            reporter.hold(step, device_metrics if is_log else None, device_diag)
+        is_eval = step % config.train.eval_every == 0 or step == total
+        stop = watch.should_stop(step)
+        if halting and (reporter.saw_skip or is_eval or stop
+                        or step % config.train.ckpt_every == 0 or step == total):
+            if int(state.halted_at):  # a host sync, but evals and saves sync anyway
+                reporter.flush()
+                state, start, data_iter = _nonfinite(exp, ckpt, state, positions, workdir)
+                reporter.restart(start, int(state.skipped_steps))
+                step, positions = start, {}
+                continue
+            positions.clear()
+        if is_eval:
+            reporter.flush()
+            reporter.write_eval(step, evaluate(exp, state))
+        ckpt.save(step, state, data_iter, force=step == total or stop)
+        if stop:
+            reporter.flush()
+            ckpt.wait_until_finished()
+            raise Preempted(step, str(ckpt.directory))
+    reporter.flush()
+
+
+def _nonfinite(exp: Experiment, ckpt: Checkpointer, state: GuardedState,
+               positions: dict[int, dict], workdir: str):
+    """Rolls back (returns the restored state, its step and data iterator) or raises."""
+    cfg = exp.config.train
+    step, rollbacks = int(state.halted_at), int(state.rollbacks)
+    if cfg.nonfinite == "rollback" and rollbacks < cfg.max_rollbacks:
+        ckpt.wait_until_finished()
+        restored, start, data_iter = _restore_or_init(exp, ckpt)
+        shardings = exp.steps.state_shardings
+        restored = restored.replace(
+            lr_scale=jax.device_put(state.lr_scale * cfg.rollback_lr_factor, shardings.lr_scale),
+            rollbacks=jax.device_put(state.rollbacks + 1, shardings.rollbacks))
+        logging.warning("step %d is non-finite: rolled back to step %d with the learning rate "
+                        "scaled by %.3g (rollback %d of train.max_rollbacks=%d)", step, start,
+                        float(restored.lr_scale), rollbacks + 1, cfg.max_rollbacks)
+        return restored, start, data_iter
+    dump = _dump_nonfinite(exp, state, step, positions[step], workdir)
+    why = ("" if cfg.nonfinite == "abort" else
+           f" after {rollbacks} rollbacks (train.max_rollbacks={cfg.max_rollbacks})")
+    raise NonFiniteError(
+        f"step {step} has a non-finite loss or gradient{why}; no state from it was saved. "
+        f"Forensic dump: {dump}. Lower opt.lr or set opt.clip_norm, or set train.nonfinite "
+        "to 'skip' or 'rollback'; rerunning resumes from the last checkpoint.")
+
+
+def _dump_nonfinite(exp: Experiment, state: GuardedState, step: int, position: dict,
+                    workdir: str) -> str:
+    """Reruns ``step``'s batch through the diagnostic step with the parameters from before it
+    (``state``, which this donates) and writes the forensic dump; returns its path."""
+    data_iter = train_iterator(exp)
+    data_iter.set_state(position)
+    batch = _global_batch(next(data_iter), batch_sharding(exp.mesh))
+    _, metrics, diagnostics = exp.steps.diag(state, batch)
+    return write_nonfinite_dump(workdir, step, position, jax.device_get(metrics),
+                                jax.device_get(diagnostics))
+
+
 class _Reporter:
     """Fetches held device metrics one step late, then logs and writes them."""
 
-    def __init__(self, writer: MetricWriter, progress: Progress, lfreq: float):
-        self.writer, self.progress, self.lfreq = writer, progress, lfreq
+    def __init__(self, workdir: str, tokens_per_step: int, total_steps: int, lfreq: float):
+        self.workdir, self.tokens_per_step = workdir, tokens_per_step
+        self.total_steps, self.lfreq = total_steps, lfreq
         self.final: dict[str, float] = {}
+        self.writer: MetricWriter | None = None
+        self.saw_skip = False  # the last fetched metrics counted more skipped steps than before
         self._held = None
+
+    def restart(self, step: int, skipped_steps: int) -> None:
+        """(Re)start after ``step``, whose state has skipped ``skipped_steps`` steps: the
+        records of later steps are dropped."""
+        self.close()
+        self.writer = _open_metrics(self.workdir, step)
+        self.progress = Progress(self.total_steps, self.tokens_per_step, step)
+        self.saw_skip, self._held, self._skipped = False, None, skipped_steps
 
     def hold(self, step: int, metrics, diagnostics) -> None:
         self._held = (step, metrics, diagnostics)
@@ -166,10 +274,21 @@ class _Reporter:
             scalars["train/lfreq"] = self.lfreq
             if tokens_per_s is not None:
                 scalars["train/tokens_per_s"] = tokens_per_s
+            skipped = scalars["train/skipped_steps"]
+            self.saw_skip = skipped > self._skipped
+            if self.saw_skip:
+                logging.warning("%d steps skipped so far: non-finite loss or gradient", skipped)
+            self._skipped = skipped
         if device_diag is not None:
             scalars.update(flatten_diagnostics(jax.device_get(device_diag)))
         self.writer.write_scalars(step, scalars)
+        self.writer.flush()
         self.final.update(scalars)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
 
     def write_eval(self, step: int, eval_loss: float) -> None:
         logging.info("eval at step %d: loss %.4f | L_freq %.4f | loss - L_freq %+.4f",
@@ -187,10 +306,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> floa
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), save_every=config.train.ckpt_every,
                         keep=config.train.keep_ckpts)
     exp = build_experiment(config)
-    data_iter = exp.data.train_iterator(
-        batch_size=config.data.batch_size // jax.process_count(), seed=config.seed,
-        process_index=jax.process_index(), process_count=jax.process_count())
-    restored = ckpt.restore_latest(exp.steps.abstract_state, data_iter)
+    restored = ckpt.restore_latest(exp.steps.abstract_state, train_iterator(exp))
     ckpt.close()
     if restored is None:
         raise FileNotFoundError(f"no checkpoint in {ckpt.directory}: train first "

@@ -10,6 +10,7 @@ import ml_collections
 from postnorm.data import check_data_config
 from postnorm.initializers import INIT_SCHEMES
 from postnorm.model import DTYPES, NORM_PLACEMENTS, POSITION_SCHEMES
+from postnorm.nonfinite import NONFINITE_POLICIES
 from postnorm.sharding import mesh_shape
 
 SCHEDULES = ("cosine", "constant")
@@ -85,8 +86,11 @@ def check_opt(config: ml_collections.ConfigDict) -> None:
 
 def check_train(config: ml_collections.ConfigDict) -> None:
     for path in ("train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
-                 "train.ckpt_every", "train.keep_ckpts", "diag.every"):
+                 "train.ckpt_every", "train.keep_ckpts", "train.max_rollbacks", "diag.every"):
         _positive_int(config, path)
+    _one_of(config, "train.nonfinite", NONFINITE_POLICIES)
+    _require(config, "train.rollback_lr_factor", lambda v: _is_num(v) and 0 < v < 1,
+             "a number in (0, 1)")
     _require(config, "seed", _is_int, "an integer")
 
 
@@ -98,9 +102,17 @@ def check_layout(config: ml_collections.ConfigDict, *, device_count: int,
     _require(config, "mesh.data", lambda v: _is_int(v) and (v >= 1 or v == -1),
              "an integer >= 1, or -1 to use every remaining device")
     try:
-        data, fsdp, _ = mesh_shape(config.mesh, device_count)
+        data, fsdp, tensor = mesh_shape(config.mesh, device_count)
     except ValueError as err:
         raise ConfigError(str(err)) from err
+    # Parameter axes split over the mesh (postnorm.sharding): embed over fsdp; heads (the
+    # d_model-wide projection axis) and mlp over tensor.
+    for field, size, axis, ways in (("model.d_model", config.model.d_model, "mesh.fsdp", fsdp),
+                                    ("model.d_model", config.model.d_model, "mesh.tensor", tensor),
+                                    ("model.d_ff", config.model.d_ff, "mesh.tensor", tensor)):
+        if size % ways:
+            raise ConfigError(f"{field}={size} must be divisible by {axis}={ways}, which "
+                              "splits it across devices")
     _positive_int(config, "data.batch_size")
     batch = config.data.batch_size
     if batch % (data * fsdp):
@@ -109,6 +121,17 @@ def check_layout(config: ml_collections.ConfigDict, *, device_count: int,
     if batch % process_count:
         raise ConfigError(f"data.batch_size={batch} must be divisible by the number of "
                           f"processes ({process_count})")
+
+
+def check_vocab_layout(config: ml_collections.ConfigDict, *, vocab_size: int,
+                       device_count: int) -> None:
+    """The tokenizer's vocabulary (known once the data is loaded) against mesh.tensor."""
+    _, _, tensor = mesh_shape(config.mesh, device_count)
+    if vocab_size % tensor:
+        raise ConfigError(
+            f"the vocabulary size {vocab_size} (data.tokenizer={config.data.tokenizer!r}) must "
+            f"be divisible by mesh.tensor={tensor}, which splits it across devices; pick a "
+            "mesh.tensor that divides it or a tokenizer whose vocabulary it divides")
 
 
 def check_config(config: ml_collections.ConfigDict, *, device_count: int,

@@ -1,0 +1,93 @@
+"""The forensic dump of a non-finite step: ``<workdir>/nonfinite_step_<n>.json``.
+
+It records where the batch came from (each process's data-iterator state from just before
+the batch: ``train_iterator(...).set_state(state)`` then ``next`` gives it back), the loss and
+gradient norm, and the per-layer statistics of the diagnostic step run on that batch with
+the parameters from before the step, with the first layer whose forward statistics are
+non-finite.
+"""
+
+import json
+import math
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from postnorm.diag_step import TAP_NORM_NAMES
+
+# Diagnostic names that are not forward statistics of the residual stream.
+_NOT_FORWARD = (*TAP_NORM_NAMES, "param_norm", "grad_norm", "update_norm")
+SUBLAYERS = ("attn", "ffn")
+
+
+def _sublayer(name: str) -> str:
+    """The sublayer a per-layer forward statistic belongs to (attention stats: ``attn_*``)."""
+    return "ffn" if name.endswith("_ffn") else "attn"
+
+
+def _json_value(value: Any) -> Any:
+    """Floats as JSON numbers, or "nan" / "inf" / "-inf" strings (strict JSON)."""
+    if isinstance(value, dict):
+        return {k: _json_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_value(v) for v in value]
+    if isinstance(value, float | np.floating):
+        return float(value) if math.isfinite(value) else str(float(value))
+    return value
+
+
+def first_nonfinite_forward(diagnostics: dict[str, np.ndarray]) -> dict[str, Any] | None:
+    """The first (layer, sublayer) in forward order with a non-finite forward statistic."""
+    per_layer = {k: np.asarray(v) for k, v in diagnostics.items()
+                 if np.ndim(v) == 1 and not k.startswith(_NOT_FORWARD)}
+    n_layers = max((len(v) for v in per_layer.values()), default=0)
+    for layer in range(n_layers):
+        for sublayer in SUBLAYERS:
+            bad = sorted(k for k, v in per_layer.items()
+                         if _sublayer(k) == sublayer and not np.isfinite(v[layer]))
+            if bad:
+                return {"layer": layer, "sublayer": sublayer, "nonfinite_stats": bad}
+    final = sorted(k for k, v in diagnostics.items()
+                   if np.ndim(v) == 0 and not np.isfinite(v) and not k.startswith(_NOT_FORWARD))
+    return {"layer": "final", "nonfinite_stats": final} if final else None
+
+
+def _every_process(value: dict) -> dict[str, dict]:
+    """``{"process_<i>-of-<n>": value of process i}``, gathered from every process."""
+    n = jax.process_count()
+    if n == 1:
+        return {"process_0-of-1": value}
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.asarray(data.size))).ravel()
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: data.size] = data
+    rows = np.asarray(multihost_utils.process_allgather(padded))
+    return {f"process_{i}-of-{n}": json.loads(rows[i, : sizes[i]].tobytes()) for i in range(n)}
+
+
+def write_nonfinite_dump(workdir: str, step: int, iterator_state: dict,
+                         metrics: dict[str, float], diagnostics: dict[str, np.ndarray]) -> str:
+    """Writes the dump (process 0; every process must call this) and returns its path."""
+    iterator_states = _every_process(iterator_state)
+    path = os.path.join(workdir, f"nonfinite_step_{step}.json")
+    if jax.process_index() != 0:
+        return path
+    record = {
+        "step": step,
+        "loss": float(metrics["train/loss"]),
+        "grad_norm": float(metrics["train/grad_norm"]),
+        "data_iterator_state_before_batch": iterator_states,
+        "first_nonfinite_forward": first_nonfinite_forward(diagnostics),
+        "layers_with_nonfinite_gradients": sorted({
+            int(layer) for k, v in diagnostics.items() if k.startswith("grad_norm_")
+            for layer in np.flatnonzero(~np.isfinite(np.asarray(v)))}),
+        "diagnostics": {k: np.asarray(v, np.float64).tolist() for k, v in diagnostics.items()},
+    }
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(_json_value(record), f, indent=1, allow_nan=False)
+    os.replace(tmp, path)
+    return path

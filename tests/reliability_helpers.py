@@ -1,0 +1,119 @@
+"""Shared pieces of the reliability tests: a tiny corpus, tiny configs, and main.py runs."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from configs.default import get_config
+
+REPO = Path(__file__).resolve().parents[1]
+WORDS = ("the", "model", "layer", "norm", "token", "attention", "residual", "gradient",
+         "loss", "collapse", "post", "pre", "value", "key", "query", "scale", "rank")
+
+
+def write_corpus(root: Path, num_docs: int = 40) -> Path:
+    """``num_docs`` text files of random sentences, one document each."""
+    rng = np.random.default_rng(0)
+    for i in range(num_docs):
+        text = "\n".join(" ".join(rng.choice(WORDS, size=12)) + "." for _ in range(20))
+        (root / f"doc{i:03d}.txt").write_text(text)
+    return root
+
+
+def tiny_overrides(corpus: Path, data_dir: Path, **overrides) -> dict[str, object]:
+    """Dotted config fields of a 2-layer, d=32 model on the byte-tokenized ``corpus``."""
+    fields = {
+        "model.n_layers": 2, "model.d_model": 32, "model.n_heads": 4, "model.d_ff": 64,
+        "data.source": "text_files", "data.text_files": str(corpus / "*.txt"),
+        "data.data_dir": str(data_dir), "data.tokenizer": "byte", "data.seq_len": 32,
+        "data.batch_size": 8, "opt.lr": 3e-3, "opt.warmup_steps": 2, "train.steps": 20,
+        "train.log_every": 1, "train.eval_every": 10, "train.eval_batches": 1,
+    }
+    fields.update({key.replace("__", "."): value for key, value in overrides.items()})
+    return fields
+
+
+def tiny_config(corpus: Path, data_dir: Path, **overrides):
+    """The ``tiny_overrides`` config as a ConfigDict (``section__field=value`` overrides)."""
+    config = get_config()
+    for key, value in tiny_overrides(corpus, data_dir, **overrides).items():
+        section, field = key.split(".")
+        config[section][field] = value
+    return config
+
+
+def config_flag(corpus: Path, data_dir: Path, **overrides) -> str:
+    """The ``--config`` value of the ``tiny_overrides`` config."""
+    fields = tiny_overrides(corpus, data_dir, **overrides)
+    return "configs/default.py:" + ",".join(f"{k}={v}" for k, v in fields.items())
+
+
+def jax_cache_dir(tmp_path_factory) -> Path:
+    """A persistent-compilation-cache directory shared by this pytest session's main.py
+    subprocesses: runs of the same config then compile once (a test-time speed-up only)."""
+    path = tmp_path_factory.getbasetemp() / "jax-compilation-cache"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def subprocess_env(cache_dir: Path, device_count: int = 1) -> dict[str, str]:
+    """The environment of a main.py subprocess: CPU with ``device_count`` devices."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={device_count}",
+            "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+
+def start_main(*args: str, log: Path, cache_dir: Path) -> subprocess.Popen:
+    """``python main.py ARGS`` in the background, stdout and stderr to ``log``."""
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "main.py", *args], cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT, env=subprocess_env(cache_dir))
+
+
+def run_main(*args: str, cache_dir: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python main.py ARGS`` to completion."""
+    return subprocess.run([sys.executable, "main.py", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env=subprocess_env(cache_dir))
+
+
+def read_records(workdir: Path) -> list[dict]:
+    """The complete records of ``metrics.jsonl`` (a line still being written is skipped)."""
+    path = workdir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = path.read_text().split("\n")[:-1]  # the last piece has no newline yet
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def read_losses(workdir: Path) -> dict[int, float]:
+    """``{step: train/loss}`` of ``metrics.jsonl``."""
+    return {r["step"]: r["train/loss"] for r in read_records(workdir) if "train/loss" in r}
+
+
+def finalized_steps(workdir: Path) -> list[int]:
+    """Steps with a finalized checkpoint in ``workdir``."""
+    root = workdir / "checkpoints"
+    return sorted(int(p.name) for p in root.glob("*") if p.name.isdigit()) if root.exists() else []
+
+
+def wait_for_step(process: subprocess.Popen, workdir: Path, step: int, log: Path,
+                  *, checkpointed: bool = False, timeout: float = 240) -> int:
+    """Polls until ``metrics.jsonl`` has a train loss at ``step`` or later (and, with
+    ``checkpointed``, a checkpoint is finalized); returns the latest logged step."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"main.py exited ({process.returncode}) before step {step}:\n"
+                                 + log.read_text()[-3000:])
+        done = max(read_losses(workdir), default=0)
+        if done >= step and (not checkpointed or finalized_steps(workdir)):
+            return done
+        time.sleep(0.02)
+    process.kill()
+    raise AssertionError(f"main.py did not reach step {step} in {timeout} s")

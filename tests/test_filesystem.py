@@ -1,0 +1,108 @@
+"""Filesystem failures end in a clear error, and no checkpoint that claims to be complete.
+
+The full-disk test mounts a 128 KiB tmpfs on ``<workdir>/checkpoints`` (root only; skipped
+otherwise) and, so that it also runs without root, repeats the failure with a file-size limit
+(``RLIMIT_FSIZE``: writes past it fail with EFBIG) on the main.py process. A missing dataset
+or tokenizer is covered by tests/test_data_config.py and tests/test_configs.py.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from postnorm.checkpoint import Checkpointer
+from postnorm.data import load_data
+from tests.reliability_helpers import (
+    REPO,
+    config_flag,
+    finalized_steps,
+    jax_cache_dir,
+    subprocess_env,
+    tiny_config,
+    write_corpus,
+)
+
+
+def _mount_tmpfs(path: Path, options: str) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                            capture_output=True, text=True)
+    if result.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()}); needs root")
+
+
+@pytest.fixture
+def mounts():
+    """Mounts tmpfs file systems (``mount(path, options)``) and unmounts them afterwards."""
+    mounted = []
+
+    def mount(path: Path, options: str) -> None:
+        _mount_tmpfs(path, options)
+        mounted.append(path)
+
+    yield mount
+    for path in reversed(mounted):
+        subprocess.run(["umount", str(path)], check=True)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A prepared dataset (so the main.py runs below only read it) and the --config flag."""
+    root = tmp_path_factory.mktemp("filesystem")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    write_corpus(corpus)
+    load_data(tiny_config(corpus, root / "tfds").data)
+    flag = config_flag(corpus, root / "tfds", train__steps=30, train__ckpt_every=4)
+    return flag, jax_cache_dir(tmp_path_factory)
+
+
+def _main(setup, workdir: Path, file_size_limit_kib: int | None = None):
+    """main.py on ``workdir``; with a limit, bash's ``ulimit -f`` sets RLIMIT_FSIZE first."""
+    flag, cache = setup
+    command = [sys.executable, "main.py", "--config", flag, "--workdir", str(workdir)]
+    if file_size_limit_kib:
+        command = ["bash", "-c", f'ulimit -f {file_size_limit_kib} && exec "$@"', "bash",
+                   *command]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env=subprocess_env(cache))
+
+
+@pytest.mark.parametrize("where", ["under-a-regular-file", "read-only-filesystem"])
+def test_unwritable_workdir_is_a_clear_error(setup, tmp_path, where, mounts):
+    if where == "under-a-regular-file":
+        (tmp_path / "file").write_text("")
+        workdir = tmp_path / "file" / "run"
+    else:
+        mounts(tmp_path / "ro", "ro,size=64k")
+        workdir = tmp_path / "ro" / "run"
+    result = _main(setup, workdir)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert (f"postnorm: error: Checkpoint directory {workdir}/checkpoints cannot be created or "
+            "written") in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failure", ["tmpfs-full", "file-size-limit"])
+def test_full_disk_during_a_checkpoint_is_a_clear_error_and_leaves_no_checkpoint(
+        setup, tmp_path, failure, mounts):
+    workdir = tmp_path / "run"
+    if failure == "tmpfs-full":
+        mounts(workdir / "checkpoints", "size=128k")
+        result, reason = _main(setup, workdir), "No space left on device"
+    else:
+        result, reason = _main(setup, workdir, file_size_limit_kib=96), "File too large"
+    assert result.returncode == 2, result.stderr[-3000:]
+    error = result.stderr[result.stderr.index("postnorm: error: "):]
+    assert error.startswith(f"postnorm: error: Writing a checkpoint under {workdir}/checkpoints "
+                            "failed (")
+    assert reason in error and "Traceback" not in error
+    # Only the unfinalized tmp directory is left: nothing a restart would take as a checkpoint.
+    assert finalized_steps(workdir) == []
+    assert [p.name for p in (workdir / "checkpoints").iterdir()] == ["4.orbax-checkpoint-tmp"]
+    ckpt = Checkpointer(str(workdir / "checkpoints"), save_every=4, keep=3)
+    assert ckpt.latest_step() is None
+    ckpt.close()

@@ -1,0 +1,134 @@
+"""Two CPU processes (``jax.distributed`` via main.py's flags) train, are preempted, resume,
+and match a single-process run on the same global batches.
+
+Each process reads its own document shard (``process_shard``: documents i, i + 2, ...), so a
+plain single-process run would see different batches. The reference instead builds the global
+batch the way the two-process run lays it out on the data axis: process 0's 4 rows, then
+process 1's, from ``train_iterator(process_index=i, process_count=2)``.
+"""
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from postnorm.data import load_data
+from postnorm.model import ModelSpec
+from postnorm.optim import make_optimizer
+from postnorm.sharding import batch_sharding, make_mesh
+from postnorm.step_builder import compile_steps
+from tests.reliability_helpers import (
+    REPO,
+    config_flag,
+    jax_cache_dir,
+    read_losses,
+    subprocess_env,
+    tiny_config,
+    wait_for_step,
+    write_corpus,
+)
+
+STEPS = 120  # the SIGTERM lands while the run is at most a second in
+# Checkpoints and evals only at the end, and the diagnostic step only at step 1.
+FIELDS = {"train__steps": STEPS, "train__ckpt_every": 1000, "train__eval_every": 1000,
+          "diag__every": 1000}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _launch(flag: str, workdir, cache, logs) -> list[subprocess.Popen]:
+    address = f"localhost:{_free_port()}"
+    processes = []
+    for i, log in enumerate(logs):
+        with open(log, "w") as out:
+            processes.append(subprocess.Popen(
+                [sys.executable, "main.py", "--config", flag, "--workdir", str(workdir),
+                 "--coordinator_address", address, "--num_processes", "2",
+                 "--process_id", str(i)],
+                cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=subprocess_env(cache)))
+    return processes
+
+
+def _wait(processes, logs) -> None:
+    for process, log in zip(processes, logs, strict=True):
+        assert process.wait(timeout=300) == 0, log.read_text()[-3000:]
+
+
+def _reference_losses(config) -> dict[int, float]:
+    """One process's losses on the two processes' concatenated batches, on a mesh of 2 of
+    this pytest process's 8 CPU devices (the shape of the two-process mesh)."""
+    data = load_data(config.data, seed=config.seed)
+    spec = ModelSpec.from_config(config.model, vocab_size=data.tokenizer.vocab_size,
+                                 max_len=config.data.seq_len)
+    tx, schedule = make_optimizer(config.opt, config.train.steps)
+    mesh = make_mesh(config.mesh, jax.devices()[:2])
+    steps = compile_steps(spec, tx, schedule, mesh)
+    shards = [data.train_iterator(batch_size=4, seed=config.seed, process_index=i,
+                                  process_count=2) for i in range(2)]
+    state, losses = steps.init(config.seed), {}
+    for step in range(1, STEPS + 1):
+        parts = [next(shard) for shard in shards]
+        batch = {k: jax.device_put(np.concatenate([p[k] for p in parts]), batch_sharding(mesh))
+                 for k in parts[0]}
+        if step % config.diag.every == 0 or step == 1:  # as main.py chooses the step
+            state, metrics, _ = steps.diag(state, batch)
+        else:
+            state, metrics = steps.train(state, batch)
+        losses[step] = float(metrics["train/loss"])
+    return losses
+
+
+@pytest.mark.slow
+def test_two_processes_preempt_resume_and_match_one_process(tmp_path, tmp_path_factory):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_corpus(corpus, num_docs=80)  # 2 validation documents: one per process
+    flag = config_flag(corpus, tmp_path / "tfds", **FIELDS)
+    cache, workdir = jax_cache_dir(tmp_path_factory), tmp_path / "run"
+
+    logs = [tmp_path / f"first_{i}.txt" for i in range(2)]
+    processes = _launch(flag, workdir, cache, logs)
+    wait_for_step(processes[0], workdir, 2, logs[0])
+    processes[1].send_signal(signal.SIGTERM)  # the notice reaches one process only
+    _wait(processes, logs)
+    stops = {int(m) for log in logs for m in
+             re.findall(r"postnorm: preempted at step (\d+): checkpoint saved", log.read_text())}
+    assert len(stops) == 1, [log.read_text()[-2000:] for log in logs]  # both, same step
+    stop = stops.pop()
+    assert 2 <= stop < STEPS, "the run finished before the preemption notice took effect"
+    assert (workdir / "checkpoints" / str(stop) / "data" / "process_1-of-2.json").exists()
+
+    logs = [tmp_path / f"resumed_{i}.txt" for i in range(2)]
+    _wait(_launch(flag, workdir, cache, logs), logs)
+    for log in logs:
+        assert f"resumed from the checkpoint at step {stop}" in log.read_text()
+
+    got = read_losses(workdir)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    want = _reference_losses(tiny_config(corpus, tmp_path / "tfds", **FIELDS))
+    # On one machine the two agree bit for bit; allclose leaves room for collective order.
+    np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(got)],
+                               rtol=1e-6)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--num_processes", "2"], "give all three or none"),
+    (["--coordinator_address", "localhost:1", "--num_processes", "2", "--process_id", "2"],
+     r"--process_id=2 must be in \[0, --num_processes=2\)"),
+])
+def test_distributed_flags_are_checked(tmp_path, flags, message):
+    result = subprocess.run(
+        [sys.executable, "main.py", "--config", "configs/default.py", "--workdir",
+         str(tmp_path / "run"), *flags], cwd=REPO, capture_output=True, text=True, timeout=120,
+        env=subprocess_env(tmp_path / "cache"))
+    assert result.returncode == 1 and re.search(message, result.stderr), result.stderr[-2000:]
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,98 @@
+"""main.py killed with SIGKILL resumes bit for bit; on SIGTERM it checkpoints and exits 0.
+
+Each test runs main.py in a subprocess on one CPU device, interrupts it once metrics.jsonl
+shows step 6 (and, for SIGKILL, a checkpoint is finalized), reruns the same command, and
+compares every step's loss with an uninterrupted run of the same config: exactly, since CPU
+runs are deterministic.
+"""
+
+import re
+import signal
+
+import pytest
+
+from postnorm.metrics import truncate_jsonl
+from tests.reliability_helpers import (
+    config_flag,
+    jax_cache_dir,
+    read_losses,
+    read_records,
+    run_main,
+    start_main,
+    wait_for_step,
+    write_corpus,
+)
+
+STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The --config flag, compilation cache and per-step losses of an uninterrupted run."""
+    root = tmp_path_factory.mktemp("resume")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    config = config_flag(write_corpus(corpus), root / "tfds", train__steps=STEPS,
+                         train__ckpt_every=4)
+    cache = jax_cache_dir(tmp_path_factory)
+    result = run_main("--config", config, "--workdir", str(root / "reference"), cache_dir=cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = read_losses(root / "reference")
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return config, cache, losses
+
+
+def _rerun_and_compare(config: str, cache, workdir, expected: dict[int, float],
+                       resume_step: int | None = None) -> int:
+    """Reruns the command to the end; returns the step it resumed from."""
+    result = run_main("--config", config, "--workdir", str(workdir), cache_dir=cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed = re.search(r"resumed from the checkpoint at step (\d+)", result.stderr)
+    assert resumed, result.stderr[-3000:]
+    if resume_step is not None:
+        assert int(resumed.group(1)) == resume_step
+    steps = [r["step"] for r in read_records(workdir) if "train/loss" in r]
+    assert steps == list(range(1, STEPS + 1))  # repeated steps were dropped, then rewritten
+    assert read_losses(workdir) == expected  # every step, bit for bit
+    return int(resumed.group(1))
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_then_rerun_reproduces_every_loss(reference, tmp_path):
+    config, cache, expected = reference
+    workdir, log = tmp_path / "run", tmp_path / "log.txt"
+    process = start_main("--config", config, "--workdir", str(workdir), log=log, cache_dir=cache)
+    wait_for_step(process, workdir, 6, log, checkpointed=True)
+    process.send_signal(signal.SIGKILL)
+    assert process.wait(timeout=60) == -signal.SIGKILL
+    killed_after = max(read_losses(workdir))
+    assert killed_after < STEPS, "the run finished before it was killed"
+
+    resumed = _rerun_and_compare(config, cache, workdir, expected)
+    assert 4 <= resumed <= killed_after
+
+
+@pytest.mark.slow
+def test_sigterm_saves_flushes_and_exits_zero_then_resumes(reference, tmp_path):
+    config, cache, expected = reference
+    workdir, log = tmp_path / "run", tmp_path / "log.txt"
+    process = start_main("--config", config, "--workdir", str(workdir), log=log, cache_dir=cache)
+    wait_for_step(process, workdir, 6, log)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=120) == 0, log.read_text()[-3000:]
+    stopped = re.search(r"postnorm: preempted at step (\d+): checkpoint saved in (\S+); rerun",
+                        log.read_text())
+    assert stopped, log.read_text()[-3000:]
+    step = int(stopped.group(1))
+    assert 6 <= step < STEPS and stopped.group(2) == str(workdir / "checkpoints")
+    assert (workdir / "checkpoints" / str(step) / "commit_success.txt").exists()
+    assert sorted(read_losses(workdir)) == list(range(1, step + 1))  # flushed up to the stop
+
+    _rerun_and_compare(config, cache, workdir, expected, resume_step=step)
+
+
+def test_truncating_metrics_drops_a_line_torn_by_a_kill(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n{"step": 3, "a"')
+    truncate_jsonl(str(path), 2)
+    assert path.read_text() == '{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n'
