@@ -20,6 +20,7 @@ import jax
 import ml_collections
 import numpy as np
 from absl import logging
+from clu import parameter_overview
 from jax.experimental import multihost_utils
 
 from postnorm.checkpoint import Checkpointer
@@ -141,6 +142,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         with open(os.path.join(workdir, "data_info.json"), "w") as f:
             json.dump(exp.data.info, f, indent=2)
     state, start, data_iter = _restore_or_init(exp, ckpt)
+    if jax.process_index() == 0:
+        parameter_overview.log_parameter_overview(state.params)
     reporter = _Reporter(workdir, config.data.batch_size * config.data.seq_len,
                          config.train.steps, exp.data.lfreq)
     reporter.restart(start, int(state.skipped_steps))
