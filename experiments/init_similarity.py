@@ -1,0 +1,392 @@
+"""Stage I: token similarity at initialisation, layer by layer, against Thm 3.2, Thm 3.4 and the
+mean-field Gram recursion (docs/THEORY.md).
+
+    python -m experiments.init_similarity --out_dir DIR [--seeds 4 --n_layers 48 --seq_len 2048]
+
+The model is ``configs/paper.py`` (48 layers, d=512, d_ff=1536, 4 heads, n=2048, RoPE) on the
+embedded corpus. For each norm placement and seed, a freshly initialised layer stack
+(``postnorm.theory_mc.LayerStack``, the decoder's own scanned ``Block``) runs one sequence on two
+inputs: the token embeddings of a real validation sequence, and iid N(0, 1) rows fed as the
+layer-0 residual stream. Per layer it records tsim at every sublayer input and:
+
+* the one-step changes: ``d_*`` = tsim after minus before the sublayer (its RMSNorm included,
+  one weight draw), and ``d_*_pm`` = the same change averaged over the sign of the branch's
+  output matrix (+W, -W) as a ratio of expectations, without the norm: the theorems' Delta.
+  With t = tsim(X), t_F = tsim(F) and e = ||F||^2/||X||^2 it is e (t_F - t) / (1 + e);
+* the closed forms at the measured t and the measured amounts: s = e_attn / f2(t) (Thm 3.2,
+  since e_attn = s f2(t)) and xi = e_ffn / m(1) (Thm 3.4, since e_ffn = xi m(1));
+* the FFN energy ratio e_ffn against the nominal xi m(1) (FFN damping);
+* the mean-field Gram recursion from the measured input Gram and the scalar closure from the
+  measured input tsim, both with the config's nominal s, xi and a. Along the mean-field
+  trajectory also its exact one-step Delta_attn and the EC closed form at its own (t, s): their
+  ratio is the error the EC closure itself predicts for the closed form on non-EC states;
+* Post-Norm, ``--uniform_check``: the same stack with attention forced to prefix averaging P
+  (``theory_mc.attention_mode("uniform")``), which removes assumption A1 from the comparison;
+* Post-Norm ablation: the same stack with attention (A - P) V W_O, i.e. without the causal
+  prefix mean of V (``theory_mc.attention_mode("centered")``).
+
+Writes ``layers.csv``, ``summary.json``, ``summary.md`` and ``init_similarity.png`` to --out_dir.
+"""
+
+import csv
+import json
+import os
+import resource
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import matplotlib
+import ml_collections
+import numpy as np
+from absl import app, flags, logging
+
+from configs import default, paper
+from postnorm import theory, theory_mc
+from postnorm.data import load_data
+from postnorm.initializers import INIT_SCHEMES, embedding_init
+from postnorm.model import ModelSpec
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+flags.DEFINE_string("out_dir", None, "Directory for the CSV, JSON, markdown and PNG outputs.")
+flags.DEFINE_integer("seeds", 4, "Seeds (weight draws) per norm placement and input.")
+flags.DEFINE_integer("n_layers", 48, "Layers of the stack.")
+flags.DEFINE_integer("seq_len", 2048, "Tokens per sequence n.")
+flags.DEFINE_enum("init", "torch_default", list(INIT_SCHEMES), "Weight initialisation scheme.")
+flags.DEFINE_list("norms", ["post", "pre"], "Norm placements to run.")
+flags.DEFINE_list("inputs", ["real", "gaussian"], "Inputs: real sequences and/or iid N(0,1).")
+flags.DEFINE_bool("ablation", True, "Also run Post-Norm with prefix-centred attention (A - P).")
+flags.DEFINE_bool("uniform_check", True, "Also run Post-Norm with attention forced to prefix "
+                  "averaging P (the theorem's assumption A1) and compare Delta_attn there too.")
+flags.DEFINE_enum("s_reading", "vo", list(theory.S_READINGS), "Reading of the amount s.")
+FLAGS = flags.FLAGS
+
+INPUTS = ("real", "gaussian")
+TABLE_ROWS = 12  # layers shown per markdown table
+
+
+def build_config(n_layers: int, seq_len: int, init: str) -> ml_collections.ConfigDict:
+    """``configs/paper.py`` with the embedded corpus (default data fields) at length seq_len."""
+    config = paper.get_config()
+    config.data = default.base_config().data
+    config.data.seq_len = seq_len
+    config.model.n_layers = n_layers
+    config.model.init = init
+    return config
+
+
+def derived(stats: dict[str, np.ndarray], amt: theory.Amounts, n: int) -> dict[str, np.ndarray]:
+    """Per-layer one-step changes and closed forms at the measured (t, s) and (t, xi)."""
+    t_attn, t_ffn = stats["tsim_attn"], stats["tsim_ffn"]
+    t_out = np.append(t_attn[1:], stats["tsim_final"])
+    e_attn, e_ffn = stats["energy_ratio_attn"], stats["energy_ratio_ffn"]
+    s_measured = e_attn / theory.attn_f2(t_attn, n)
+    xi_measured = e_ffn / theory.gate_kernel(1.0, amt.a)
+    return {
+        "t_attn": t_attn, "t_ffn": t_ffn, "t_out": t_out,
+        "d_attn": t_ffn - t_attn,
+        "d_attn_pm": e_attn * (stats["tsim_branch_attn"] - t_attn) / (1.0 + e_attn),
+        "d_attn_closed": theory.delta_attn(s_measured, t_attn, n),
+        "s_measured": s_measured,
+        "d_ffn": t_out - t_ffn,
+        "d_ffn_pm": e_ffn * (stats["tsim_branch_ffn"] - t_ffn) / (1.0 + e_ffn),
+        "d_ffn_closed": theory.delta_ffn(xi_measured, t_ffn, n, amt.a),
+        "xi_m1_measured": e_ffn,
+        "attn_tv_uniform": stats["attn_tv_uniform"],
+    }
+
+
+def _numpy(stats: dict[str, jax.Array]) -> dict[str, np.ndarray]:
+    return {k: np.asarray(v, np.float64) for k, v in stats.items()}
+
+
+def run_seed(spec: ModelSpec, fns: dict, params: dict, x0_1xNxD: jax.Array,
+             amt: theory.Amounts) -> dict[str, np.ndarray]:
+    """All per-layer quantities of one (norm, input, seed)."""
+    n = spec.max_len
+    start = time.perf_counter()
+    out = derived(_numpy(fns["softmax"](params, x0_1xNxD)), amt, n)
+    logging.info("%s stack forward: %.1f s", spec.norm, time.perf_counter() - start)
+    x0 = np.asarray(x0_1xNxD[0], np.float64)
+    mean_field = theory.mean_field_recursion(x0 @ x0.T / spec.d_model, spec.n_layers, amt,
+                                             spec.norm)
+    t_in = mean_field.tsim_in
+    scalar = theory.scalar_recursion(float(theory.tsim(x0)), n, spec.n_layers, amt, spec.norm)
+    out.update(meanfield_attn=mean_field.tsim_after[:, 0],
+               meanfield_ffn=mean_field.tsim_after[:, 1], meanfield_d_attn=mean_field.delta_attn,
+               meanfield_d_attn_closed=theory.delta_attn(
+                   mean_field.energy_attn / theory.attn_f2(t_in, n), t_in, n),
+               scalar_attn=scalar[:, 0], scalar_ffn=scalar[:, 1])
+    if "uniform" in fns:
+        uniform = derived(_numpy(fns["uniform"](params, x0_1xNxD)), amt, n)
+        out["uniform_d_attn_pm"] = uniform["d_attn_pm"]
+        out["uniform_d_attn_closed"] = uniform["d_attn_closed"]
+    if "centered" in fns:
+        ablated = _numpy(fns["centered"](params, x0_1xNxD))
+        out["ablation_t_out"] = np.append(ablated["tsim_attn"][1:], ablated["tsim_final"])
+    return out
+
+
+def aggregate(per_seed: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Mean over seeds of every per-layer array, and ``<key>_se`` standard errors."""
+    out = {}
+    for key in per_seed[0]:
+        values_SxL = np.stack([r[key] for r in per_seed])
+        out[key] = values_SxL.mean(0)
+        spread = values_SxL.std(0, ddof=1) if len(per_seed) > 1 else np.zeros_like(out[key])
+        out[f"{key}_se"] = spread / np.sqrt(len(per_seed))
+    return out
+
+
+def acceptance(agg: dict[str, np.ndarray]) -> dict[str, float]:
+    """The figures of merit of one (norm, input)."""
+    def worst(measured: np.ndarray, closed: np.ndarray) -> tuple[int, float]:
+        rel = measured / closed - 1.0
+        layer = int(np.argmax(np.abs(rel)))
+        return layer, float(rel[layer])
+
+    out = {
+        "tsim_in": float(agg["t_attn"][0]), "tsim_final": float(agg["t_out"][-1]),
+        "tsim_final_se": float(agg["t_out_se"][-1]),
+        "meanfield_final": float(agg["meanfield_ffn"][-1]),
+        "scalar_final": float(agg["scalar_ffn"][-1]),
+        "min_d_attn": float(agg["d_attn"].min()),
+        "layers_d_attn_nonpositive": int(np.sum(agg["d_attn"] <= 0)),
+        "min_d_attn_pm": float(agg["d_attn_pm"].min()),
+        "ffn_over_attn_median": float(np.median(np.abs(agg["d_ffn_pm"]) / agg["d_attn_pm"])),
+        "ffn_over_attn_max": float(np.max(np.abs(agg["d_ffn_pm"]) / agg["d_attn_pm"])),
+        "xi_m1_measured_mean": float(agg["xi_m1_measured"].mean()),
+        "s_measured_first": float(agg["s_measured"][0]),
+        "s_measured_last": float(agg["s_measured"][-1]),
+    }
+    for name, measured in (("pm", agg["d_attn_pm"]), ("direct", agg["d_attn"])):
+        layer, rel = worst(measured, agg["d_attn_closed"])
+        out[f"worst_layer_attn_{name}"], out[f"worst_rel_err_attn_{name}"] = layer, rel
+        out[f"mean_abs_rel_err_attn_{name}"] = float(
+            np.mean(np.abs(measured / agg["d_attn_closed"] - 1.0)))
+    layer, rel = worst(agg["meanfield_d_attn"], agg["meanfield_d_attn_closed"])
+    out["worst_layer_attn_meanfield"], out["worst_rel_err_attn_meanfield"] = layer, rel
+    if "uniform_d_attn_pm" in agg:
+        layer, rel = worst(agg["uniform_d_attn_pm"], agg["uniform_d_attn_closed"])
+        out["worst_layer_attn_pm_uniform"], out["worst_rel_err_attn_pm_uniform"] = layer, rel
+        out["mean_abs_rel_err_attn_pm_uniform"] = float(
+            np.mean(np.abs(agg["uniform_d_attn_pm"] / agg["uniform_d_attn_closed"] - 1.0)))
+    if "ablation_t_out" in agg:
+        out["ablation_tsim_final"] = float(agg["ablation_t_out"][-1])
+    return out
+
+
+def amounts_table(d_model: int, d_ff: int) -> list[dict[str, float | str]]:
+    """s (both readings), xi, a and xi m(1) of every init scheme at this width."""
+    rows = []
+    for scheme in INIT_SCHEMES:
+        amt = theory.amounts(d_model, d_ff, scheme)
+        rows.append({"init": scheme, "s_vo": amt.s,
+                     "s_v_only": theory.amounts(d_model, d_ff, scheme, "v_only").s,
+                     "xi": amt.xi, "a": amt.a, "m1": float(theory.gate_kernel(1.0, amt.a)),
+                     "xi_m1": amt.xi_m1})
+    return rows
+
+
+CSV_KEYS = ("t_attn", "t_ffn", "t_out", "d_attn", "d_attn_se", "d_attn_pm", "d_attn_pm_se",
+            "d_attn_closed", "s_measured", "d_ffn", "d_ffn_se", "d_ffn_pm", "d_ffn_pm_se",
+            "d_ffn_closed", "xi_m1_measured", "attn_tv_uniform", "meanfield_attn",
+            "meanfield_ffn", "meanfield_d_attn", "meanfield_d_attn_closed", "scalar_attn",
+            "scalar_ffn", "ablation_t_out", "uniform_d_attn_pm", "uniform_d_attn_closed")
+
+
+def write_csv(path: str, results: dict[tuple[str, str], dict[str, np.ndarray]]) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(("norm", "input", "layer") + CSV_KEYS)
+        for (norm, source), agg in results.items():
+            for layer in range(len(agg["t_attn"])):
+                writer.writerow((norm, source, layer) + tuple(
+                    f"{agg[k][layer]:.6e}" if k in agg else "" for k in CSV_KEYS))
+
+
+def _markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def _optional(fig: dict, value: str, layer: str) -> str:
+    return f"{fig[value]:+.3f} ({fig[layer]})" if value in fig else "-"
+
+
+def write_markdown(path: str, meta: dict, results: dict, figures: dict) -> None:
+    lines = ["# Stage I: token similarity at initialisation", "",
+             f"Command: `{meta['command']}`", "",
+             f"Model: {meta['model']}; seeds {meta['seeds']}; s reading `{meta['s_reading']}`; "
+             f"nominal s = {meta['amounts']['s']:.4f}, xi = {meta['amounts']['xi']:.4f}, "
+             f"a = {meta['amounts']['a']:.4f}, xi m(1) = {meta['amounts']['xi_m1']:.5f}.", "",
+             f"Wall time {meta['wall_s']:.0f} s; peak RSS {meta['peak_rss_mb']:.0f} MB.", "",
+             "## Amounts per init scheme (theory, this width)", ""]
+    lines += _markdown_table(
+        ["init", "s (W_VO)", "s (W_V only)", "xi", "a", "m(1)", "xi m(1)"],
+        [[r["init"]] + [f"{r[k]:.5g}" for k in ("s_vo", "s_v_only", "xi", "a", "m1", "xi_m1")]
+         for r in meta["amounts_table"]])
+    lines += ["", "## Summary", "",
+              "`pm`: one-step change averaged over +-W (theorems' Delta); `direct`: tsim after "
+              "minus before the sublayer, its norm included, one draw. Relative errors are "
+              "against the closed form at the measured (t, s); means over seeds.", ""]
+    header = ["norm/input", "tsim in", "tsim final", "mean-field", "scalar", "min d_attn",
+              "worst pm err (layer)", "worst direct err (layer)", "worst pm err, uniform attn",
+              "mean-field EC gap (layer)", "|dFFN|/dattn med (max)",
+              "FFN energy (xi m1)", "ablation final"]
+    rows = []
+    for (norm, source), fig in figures.items():
+        rows.append([f"{norm}/{source}", f"{fig['tsim_in']:.4f}",
+                     f"{fig['tsim_final']:.4f}+-{fig['tsim_final_se']:.4f}",
+                     f"{fig['meanfield_final']:.4f}", f"{fig['scalar_final']:.4f}",
+                     f"{fig['min_d_attn']:.2e}",
+                     f"{fig['worst_rel_err_attn_pm']:+.3f} ({fig['worst_layer_attn_pm']})",
+                     f"{fig['worst_rel_err_attn_direct']:+.3f} ({fig['worst_layer_attn_direct']})",
+                     _optional(fig, "worst_rel_err_attn_pm_uniform", "worst_layer_attn_pm_uniform"),
+                     _optional(fig, "worst_rel_err_attn_meanfield", "worst_layer_attn_meanfield"),
+                     f"{fig['ffn_over_attn_median']:.3f} ({fig['ffn_over_attn_max']:.3f})",
+                     f"{fig['xi_m1_measured_mean']:.5f} ({meta['amounts']['xi_m1']:.5f})",
+                     f"{fig.get('ablation_tsim_final', float('nan')):.4f}"])
+    lines += _markdown_table(header, rows)
+    for (norm, source), agg in results.items():
+        n_layers = len(agg["t_attn"])
+        shown = sorted(set(np.linspace(0, n_layers - 1, min(TABLE_ROWS, n_layers)).astype(int)))
+        lines += ["", f"## {norm} / {source}", ""]
+        keys = ["t_attn", "d_attn", "d_attn_pm", "d_attn_closed", "meanfield_d_attn",
+                "meanfield_d_attn_closed", "s_measured", "d_ffn_pm",
+                "d_ffn_closed", "t_out", "meanfield_ffn", "scalar_ffn"]
+        keys += ["ablation_t_out"] if "ablation_t_out" in agg else []
+        lines += _markdown_table(["layer"] + keys,
+                                 [[str(i)] + [f"{agg[k][i]:.4g}" for k in keys] for i in shown])
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def plot(path: str, results: dict) -> None:
+    norms = sorted({norm for norm, _ in results}, reverse=True)
+    fig, axes = plt.subplots(len(norms), 3, figsize=(16, 4.5 * len(norms)), squeeze=False)
+    for row, norm in zip(axes, norms, strict=True):
+        for color, source in zip(("C0", "C1"), INPUTS, strict=True):
+            agg = results.get((norm, source))
+            if agg is None:
+                continue
+            layers = np.arange(len(agg["t_out"]))
+            depth = np.arange(len(agg["t_out"]) + 1)  # layers applied; 0 is the input
+
+            def with_input(values: np.ndarray, agg=agg) -> np.ndarray:
+                return np.concatenate([agg["t_attn"][:1], values])
+
+            ax = row[0]
+            errors = np.concatenate([agg["t_attn_se"][:1], agg["t_out_se"]])
+            ax.errorbar(depth, with_input(agg["t_out"]), errors, color=color, marker=".",
+                        label=f"{source}: measured")
+            ax.plot(depth, with_input(agg["meanfield_ffn"]), "--", color=color,
+                    label=f"{source}: mean-field")
+            ax.plot(depth, with_input(agg["scalar_ffn"]), ":", color=color,
+                    label=f"{source}: scalar closure")
+            if "ablation_t_out" in agg:
+                ax.plot(depth, with_input(agg["ablation_t_out"]), "-x", color=color, alpha=0.6,
+                        label=f"{source}: ablation (A - P)")
+            for ax, kind in ((row[1], "attn"), (row[2], "ffn")):
+                ax.plot(layers, agg[f"d_{kind}"], ".", color=color, alpha=0.5,
+                        label=f"{source}: direct")
+                ax.plot(layers, agg[f"d_{kind}_pm"], "-", color=color, label=f"{source}: +-W")
+                ax.plot(layers, agg[f"d_{kind}_closed"], "--", color="k" if color == "C0"
+                        else "grey", label=f"{source}: closed form at measured t")
+            row[1].plot(layers, agg["meanfield_d_attn"], "-.", color=color, alpha=0.7,
+                        label=f"{source}: mean-field one step")
+        titles = ("tsim after each layer", "one-step Delta_attn (Thm 3.2)",
+                  "one-step Delta_FFN (Thm 3.4)")
+        for ax, title, xlabel in zip(row, titles, ("layers applied", "layer", "layer"),
+                                     strict=True):
+            ax.set_title(f"{norm}-norm: {title}")
+            ax.set_xlabel(xlabel)
+            ax.legend(fontsize=7)
+        row[0].set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def real_sequences(config: ml_collections.ConfigDict, count: int) -> list[np.ndarray]:
+    """The first ``count`` validation sequences, each int32[1, n]; sets ``data.vocab_size`` to the
+    tokenizer's."""
+    data = load_data(config.data)
+    config.data.vocab_size = data.tokenizer.vocab_size
+    return [b["inputs"] for b in data.eval_batches(batch_size=1, num_batches=count)]
+
+
+def run(config: ml_collections.ConfigDict, *, seeds: int, norms: list[str], inputs: list[str],
+        ablation: bool, uniform_check: bool, s_reading: str) -> tuple[dict, dict, theory.Amounts]:
+    """Aggregated per-layer results and figures of merit per (norm, input)."""
+    n, d = config.data.seq_len, config.model.d_model
+    tokens = real_sequences(config, seeds) if "real" in inputs else []
+    amt = theory.amounts_from_config(config.model, s_reading)
+    embed = embedding_init(config.model.init)
+    results, figures = {}, {}
+    for norm in norms:
+        config.model.norm = norm
+        spec = ModelSpec.from_config(config.model, vocab_size=config.data.vocab_size, max_len=n)
+        fns = {"softmax": theory_mc.stack_statistics(spec, "softmax")}
+        if ablation and norm == "post":
+            fns["centered"] = theory_mc.stack_statistics(spec, "centered")
+        if uniform_check and norm == "post":
+            fns["uniform"] = theory_mc.stack_statistics(spec, "uniform")
+        per_seed = {source: [] for source in inputs}
+        for seed in range(seeds):
+            key_params, key_embed, key_gauss = jax.random.split(jax.random.key(seed), 3)
+            params = theory_mc.init_stack_params(spec, key_params)
+            if "real" in inputs:
+                embedding_VxD = embed(key_embed, (config.data.vocab_size, d), jnp.float32)
+            for source in inputs:
+                x0_1xNxD = (jnp.take(embedding_VxD, tokens[seed], axis=0) if source == "real"
+                            else jax.random.normal(key_gauss, (1, n, d)))
+                per_seed[source].append(run_seed(spec, fns, params, x0_1xNxD, amt))
+                logging.info("done %s/%s seed %d", norm, source, seed)
+        for source in inputs:
+            results[(norm, source)] = aggregate(per_seed[source])
+            figures[(norm, source)] = acceptance(results[(norm, source)])
+    return results, figures, amt
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if FLAGS.out_dir is None:
+        raise app.UsageError("--out_dir is required")
+    for values, allowed, name in ((FLAGS.norms, theory.NORM_PLACEMENTS, "norms"),
+                                  (FLAGS.inputs, INPUTS, "inputs")):
+        if not values or set(values) - set(allowed):
+            raise app.UsageError(f"--{name}={values} must be a non-empty subset of {allowed}")
+    os.makedirs(FLAGS.out_dir, exist_ok=True)
+    start = time.perf_counter()
+    config = build_config(FLAGS.n_layers, FLAGS.seq_len, FLAGS.init)
+    results, figures, amt = run(config, seeds=FLAGS.seeds, norms=FLAGS.norms,
+                                inputs=FLAGS.inputs, ablation=FLAGS.ablation,
+                                uniform_check=FLAGS.uniform_check, s_reading=FLAGS.s_reading)
+    m = config.model
+    meta = {
+        "command": "python -m experiments.init_similarity " + " ".join(sys.argv[1:]),
+        "model": f"{m.n_layers} layers, d={m.d_model}, d_ff={m.d_ff}, {m.n_heads} heads, "
+                 f"n={config.data.seq_len}, init={m.init}, positions={m.positions}",
+        "seeds": FLAGS.seeds, "s_reading": FLAGS.s_reading,
+        "amounts": {"s": amt.s, "xi": amt.xi, "a": amt.a, "xi_m1": amt.xi_m1},
+        "amounts_table": amounts_table(m.d_model, m.d_ff),
+        "wall_s": time.perf_counter() - start,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "figures": {f"{norm}/{source}": fig for (norm, source), fig in figures.items()},
+    }
+    write_csv(os.path.join(FLAGS.out_dir, "layers.csv"), results)
+    with open(os.path.join(FLAGS.out_dir, "summary.json"), "w") as f:
+        json.dump(meta, f, indent=2)
+    write_markdown(os.path.join(FLAGS.out_dir, "summary.md"), meta, results, figures)
+    plot(os.path.join(FLAGS.out_dir, "init_similarity.png"), results)
+    print(json.dumps({"wall_s": meta["wall_s"], "peak_rss_mb": meta["peak_rss_mb"],
+                      "figures": meta["figures"]}, indent=1))
+
+
+if __name__ == "__main__":
+    app.run(main)

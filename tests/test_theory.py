@@ -1,0 +1,253 @@
+"""The closed forms of ``postnorm.theory`` against Monte Carlo of each theorem's own setting."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from postnorm import theory, theory_mc
+from postnorm.initializers import INIT_SCHEMES, embedding_init
+from postnorm.layers import CausalSelfAttention, RMSNorm, SwiGLU
+from postnorm.model import Decoder, ModelSpec
+
+Z = 4.0  # tolerance in Monte Carlo standard errors
+
+
+def assert_within(estimate: theory_mc.MCEstimate, expected: float, z: float = Z,
+                  rel: float = 0.0) -> None:
+    gap = abs(estimate.mean - expected)
+    assert gap <= z * estimate.stderr + rel * abs(expected), (estimate, expected)
+
+
+# §0 and the Gram algebra ----------------------------------------------------------------------
+
+def test_prefix_averaging_facts_and_tsim():
+    n = 37
+    p_NxN = theory.prefix_average(np.eye(n))
+    np.testing.assert_allclose(p_NxN, np.tril(np.ones((n, n))) / np.arange(1, n + 1)[:, None])
+    np.testing.assert_allclose(np.sum(p_NxN.sum(0) ** 2), 2 * n - theory.harmonic(n))
+    np.testing.assert_allclose(np.trace(p_NxN @ p_NxN.T), theory.harmonic(n))
+    x = np.random.default_rng(0).normal(size=(3, n, 5)) + 0.7
+    np.testing.assert_allclose(theory.tsim_of_gram(x @ x.transpose(0, 2, 1)), theory.tsim(x))
+    x_ec = theory_mc.ec_input(np.random.default_rng(1), n, 64, 0.3)
+    np.testing.assert_allclose(theory.tsim(x_ec), 0.3)
+    np.testing.assert_allclose(np.sum(x_ec**2, 1), 64.0)
+
+
+@pytest.mark.parametrize("n", [8, 100])
+def test_gram_steps_on_an_ec_gram_reproduce_the_one_step_closed_forms(n):
+    """On an EC Gram the FFN step without a norm (Pre-Norm) is Thm 3.4, and the recursion's
+    one-step Delta_attn and energy ratio are Thm 3.2's, for both placements."""
+    amt = theory.amounts(64, 192, "lecun_normal")
+    kernel = theory.gate_kernel_table(amt.a)
+    for t in (1.0 / n, 0.2, 0.9):
+        rho = theory.ec_rho(t, n)
+        g_NxN = (1 - rho) * np.eye(n) + rho
+        after_ffn = theory.mean_field_ffn_step(g_NxN, amt.xi, kernel, "pre")
+        np.testing.assert_allclose(theory.tsim_of_gram(after_ffn) - t,
+                                   theory.delta_ffn(amt.xi, t, n, amt.a), rtol=1e-6, atol=1e-9)
+        for norm in theory.NORM_PLACEMENTS:
+            trace = theory.mean_field_recursion(g_NxN, 1, amt, norm)
+            np.testing.assert_allclose(trace.tsim_in, t)
+            np.testing.assert_allclose(trace.energy_attn, amt.s * theory.attn_f2(t, n))
+            np.testing.assert_allclose(trace.delta_attn, theory.delta_attn(amt.s, t, n),
+                                       rtol=1e-10, atol=1e-15)
+
+
+# Thm 3.2 ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,d,s,t,exact", [
+    (32, 96, 1 / 9, 1 / 32, True),
+    (32, 96, 1.0, 0.3, True),
+    (48, 64, 1.0, 0.7, True),
+    (16, 128, 0.3, 0.1, True),
+    (96, 32, 1.0, 0.2, False),  # n > d: isotropic EC input
+])
+def test_delta_attn_against_uniform_attention_mc(n, d, s, t, exact):
+    rng = np.random.default_rng(n * d)
+    estimate = theory_mc.mc_delta_attn_uniform(rng, n, d, s, t, pairs=200, exact=exact)
+    assert_within(estimate, theory.delta_attn(s, t, n))
+
+
+@pytest.mark.parametrize("t", [1 / 32, 0.5])
+def test_delta_attn_against_softmax_attention_mc(t):
+    """Real softmax attention at torch_default init: uniform up to a few percent (A1)."""
+    n, d = 32, 128
+    estimate = theory_mc.mc_delta_attn_softmax(3, n, d, t, 4, "torch_default", pairs=48)
+    assert_within(estimate, theory.delta_attn(theory.amounts(d, d, "torch_default").s, t, n),
+                  rel=0.05)
+
+
+def test_delta_attn_sign_and_fixed_point():
+    for n in (2, 16, 2048):
+        t = np.linspace(1.0 / n, 1.0, 200, endpoint=False)
+        for s in (1e-3, 1 / 9, 1.0, 30.0):
+            assert np.all(theory.delta_attn(s, t, n) > 0)
+            assert theory.delta_attn(s, 1.0, n) == 0.0
+
+
+# Thm 3.4 ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,d,d_ff,t,init", [
+    (32, 96, 192, 0.3, "lecun_normal"),
+    (48, 64, 160, 0.8, "xavier"),
+    (24, 128, 256, 0.1, "torch_default"),
+])
+def test_delta_ffn_against_mc(n, d, d_ff, t, init):
+    amt = theory.amounts(d, d_ff, init)
+    estimate = theory_mc.mc_delta_ffn(n + d, n, d, d_ff, t, init, pairs=64)
+    assert_within(estimate, theory.delta_ffn(amt.xi, t, n, amt.a))
+
+
+def test_delta_ffn_sign():
+    for n in (4, 64, 2048):
+        t = np.linspace(1.0 / n, 1.0, 200)
+        for xi, a in ((1 / 9, 0.577), (1.0, 1.0), (4.0, 1.4)):
+            delta = theory.delta_ffn(xi, t, n, a)
+            assert np.all(delta <= 0) and np.all(delta[1:-1] < 0)
+            np.testing.assert_allclose(delta[[0, -1]], 0.0, atol=1e-15)
+
+
+@pytest.mark.parametrize("a", [0.45, 1.0, 1.4])
+def test_gate_kernel_against_mc_and_odd_part(a):
+    rng = np.random.default_rng(7)
+    for rho in (-0.8, 0.0, 0.5, 0.99):
+        assert_within(theory_mc.mc_gate_kernel(rng, rho, a, 200_000), theory.gate_kernel(rho, a))
+    rho = np.linspace(-1, 1, 41)
+    np.testing.assert_allclose(theory.gate_kernel(rho, a) - theory.gate_kernel(-rho, a),
+                               a**2 * rho / 2, atol=1e-12)
+    table = theory.gate_kernel_table(a)
+    np.testing.assert_allclose(table(rho[1::2] + 0.013), theory.gate_kernel(rho[1::2] + 0.013, a),
+                               atol=2e-8)
+
+
+@pytest.mark.parametrize("init", INIT_SCHEMES)
+def test_amounts_against_the_models_initialisers(init):
+    """s = E||x W_V W_O||^2/||x||^2 (identical tokens: the attention output is x W_V W_O for any
+    attention weights) and xi m(1) = E||FFN(x)||^2/||x||^2 for RMS-1 x, over fresh inits."""
+    d, d_ff, draws = 64, 160, 96
+    amt = theory.amounts(d, d_ff, init)
+    x_1xLxD = jnp.broadcast_to(jax.random.normal(jax.random.key(0), (1, 1, d)), (1, 4, d))
+    x_1xLxD = x_1xLxD / jnp.sqrt(jnp.mean(x_1xLxD**2))
+    keys = jax.random.split(jax.random.key(1), draws)
+    for module, expected in ((CausalSelfAttention(4, init, "none", 1e4, jnp.float32), amt.s),
+                             (SwiGLU(d_ff, init, jnp.float32), amt.xi_m1)):
+        def ratio(key, module=module):
+            params = nn.unbox(module.init(key, x_1xLxD))
+            return jnp.sum(module.apply(params, x_1xLxD) ** 2) / jnp.sum(x_1xLxD**2)
+        ratios = np.asarray(jax.vmap(ratio)(keys), np.float64)
+        assert_within(theory_mc.MCEstimate(ratios.mean(), ratios.std() / np.sqrt(draws)),
+                      expected)
+
+
+# Thm 3.6 ---------------------------------------------------------------------------------------
+
+def test_contraction_is_the_largest_singular_value_of_the_rmsnorm_jacobian():
+    rng = np.random.default_rng(4)
+    eps = 1e-6
+    for d, alpha, scale in ((8, 1.0, 0.3), (32, 1.7, 2.0), (64, 0.5, 1.0)):
+        y = (rng.normal(size=d) * scale).astype(np.float32)
+        params = {"params": {"scale": jnp.full((d,), alpha, jnp.float32)}}
+        jac_DxD = jax.jacfwd(lambda v, p=params: RMSNorm(eps).apply(p, v))(jnp.asarray(y))
+        sigma_max = np.linalg.svd(np.asarray(jac_DxD, np.float64), compute_uv=False)[0]
+        c = theory.rmsnorm_contraction(y, alpha, eps)
+        np.testing.assert_allclose(sigma_max, c, rtol=1e-5)
+        np.testing.assert_allclose(theory_mc.vjp_contraction(rng, y, alpha, eps), c, rtol=1e-5)
+        assert (c < 1) == (np.mean(y.astype(np.float64) ** 2) + eps > alpha**2)
+
+
+# Thm 3.8 ---------------------------------------------------------------------------------------
+
+def _cross_entropy(logits_NxV: np.ndarray, targets_N: np.ndarray) -> float:
+    log_z = np.log(np.sum(np.exp(logits_NxV - logits_NxV.max(1, keepdims=True)), 1))
+    log_p = logits_NxV - logits_NxV.max(1, keepdims=True) - log_z[:, None]
+    return float(-np.mean(log_p[np.arange(len(targets_N)), targets_N]))
+
+
+def test_collapse_bound_holds_on_random_instances():
+    rng = np.random.default_rng(5)
+    n, vocab, d = 40, 12, 16
+    slack = []
+    for trial in range(300):
+        targets = rng.integers(0, vocab, n)
+        lfreq = theory.frequency_loss(targets)
+        x_mean = rng.normal(size=d)
+        if trial % 2:  # near the optimum: W x_mean = log p_hat (+ a constant)
+            log_p = np.log(np.bincount(targets, minlength=vocab) + 1e-3)
+            w_VxD = np.outer(log_p, x_mean) / (x_mean @ x_mean)
+        else:
+            w_VxD = rng.normal(size=(vocab, d)) * rng.uniform(0.1, 3.0)
+        e_NxD = rng.normal(size=(n, d))
+        e_NxD = (e_NxD - e_NxD.mean(0)) * rng.uniform(0.0, 2.0) / np.sqrt(d)
+        x_NxD = x_mean + e_NxD
+        eps = theory.collapse_distance(x_NxD)
+        cross_entropy = _cross_entropy(x_NxD @ w_VxD.T, targets)
+        slack.append(cross_entropy - theory.collapse_loss_bound(lfreq, w_VxD, eps, n))
+    assert min(slack) >= 0.0
+    targets = rng.integers(0, vocab, n)
+    p_hat = np.bincount(targets, minlength=vocab) / n
+    shared = np.log(np.where(p_hat > 0, p_hat, 1e-300))
+    np.testing.assert_allclose(_cross_entropy(np.tile(shared, (n, 1)), targets),
+                               theory.frequency_loss(targets))
+
+
+def test_collapsed_model_predicting_frequencies_is_stationary():
+    """Thm 3.8(ii) on the real Decoder: identical input tokens collapse every layer; with the LM
+    head solved so that softmax(logits) = p_hat, loss = L_freq and every gradient vanishes."""
+    vocab, n, d = 8, 64, 32
+    spec = ModelSpec(vocab_size=vocab, max_len=n, n_layers=3, d_model=d, n_heads=4, d_ff=48,
+                     positions="none", init="xavier")
+    model = Decoder(spec)
+    key_layers, key_embed = jax.random.split(jax.random.key(0))
+    params = {**theory_mc.init_stack_params(spec, key_layers),
+              "embedding": embedding_init(spec.init)(key_embed, (vocab, d), jnp.float32)}
+    rng = np.random.default_rng(6)
+    targets_1xN = jnp.asarray(rng.permutation(np.arange(n) % vocab)[None])  # covers the vocab
+    collapsed_1xN = jnp.full((1, n), 3, jnp.int32)
+    hidden = theory_mc.LayerStack(spec).apply(
+        {"params": {"layers": params["layers"]}}, params["embedding"][collapsed_1xN], None)[0]
+    hidden_NxD = np.asarray(hidden[0], np.float64)
+    assert theory.tsim(hidden_NxD) > 1 - 1e-6
+    log_p = np.log(np.bincount(np.asarray(targets_1xN[0]), minlength=vocab) / n)
+    w_lm_DxV, *_ = np.linalg.lstsq(hidden_NxD.mean(0)[None], log_p[None], rcond=None)
+    params["lm_head"] = jnp.asarray(w_lm_DxV, jnp.float32)
+
+    def loss(p, tokens_1xN):
+        logits = model.apply({"params": p}, tokens_1xN)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets_1xN).mean()
+
+    value_and_grad = jax.jit(jax.value_and_grad(loss))
+    value, grads = value_and_grad(params, collapsed_1xN)
+    np.testing.assert_allclose(value, theory.frequency_loss(np.asarray(targets_1xN)), rtol=1e-5)
+    assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads)) < 1e-5
+    _, control = value_and_grad(params, jnp.asarray(rng.integers(0, vocab, (1, n)), jnp.int32))
+    assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(control)) > 1e-2
+
+
+# §3: depth -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("norm,init,mode,n_layers", [
+    ("post", "torch_default", "softmax", 24),
+    ("pre", "torch_default", "uniform", 24),
+    pytest.param("post", "xavier", "uniform", 12, marks=pytest.mark.slow),
+])
+def test_mean_field_tracks_a_simulated_stack(norm, init, mode, n_layers):
+    """tsim after every sublayer, mean over seeds, within 15% (the recursion assumes uniform
+    attention, which softmax approximates at torch_default's query-key scale)."""
+    n, d, seeds = 64, 128, 16
+    spec = ModelSpec(vocab_size=2, max_len=n, n_layers=n_layers, d_model=d, n_heads=4,
+                     d_ff=3 * d, norm=norm, positions="none", init=init)
+    amt = theory.amounts(d, 3 * d, init)
+    run = theory_mc.stack_statistics(spec, mode)
+    measured, predicted = [], []
+    for seed in range(seeds):
+        key_params, key_x = jax.random.split(jax.random.key(seed))
+        x_1xNxD = jax.random.normal(key_x, (1, n, d))
+        stats = run(theory_mc.init_stack_params(spec, key_params), x_1xNxD)
+        after_ffn = np.append(np.asarray(stats["tsim_attn"][1:]), float(stats["tsim_final"]))
+        measured.append(np.stack([np.asarray(stats["tsim_ffn"]), after_ffn], 1))
+        x = np.asarray(x_1xNxD[0], np.float64)
+        predicted.append(theory.mean_field_recursion(x @ x.T / d, n_layers, amt, norm).tsim_after)
+    np.testing.assert_allclose(np.mean(measured, 0), np.mean(predicted, 0), rtol=0.15)
