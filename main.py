@@ -2,8 +2,9 @@
 
 Modes: ``train`` (default; resumes from the latest checkpoint in the workdir), ``eval``
 (evaluate the latest checkpoint on the validation split), ``plots`` (render the run's figures
-into ``<workdir>/plots``) and ``params`` (print the parameter count of the config's model
-without loading data).
+into ``<workdir>/plots``), ``report`` (write a self-contained ``<workdir>/report.html``; the
+config is the run's ``config.json``, else --config) and ``params`` (print the parameter count
+of the config's model without loading data).
 
 Multi-process runs pass ``--coordinator_address HOST:PORT --num_processes N --process_id I``
 to every process (``jax.distributed.initialize`` is called only when they are given).
@@ -13,6 +14,7 @@ Exit status: 0 when done or preempted (SIGTERM: a checkpoint was saved; rerun to
 training.
 """
 
+import json
 import os
 import sys
 
@@ -28,13 +30,15 @@ from postnorm.model import ModelSpec, param_count_formula
 from postnorm.nonfinite import NonFiniteError
 from postnorm.plots import render_run_plots
 from postnorm.preemption import Preempted
+from postnorm.report import write_report
 from postnorm.validation import ConfigError, check_model
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/default.py:pre.",
                                 lock_config=True)
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and plots.")
-flags.DEFINE_enum("mode", "train", ["train", "eval", "plots", "params"], "What to run.")
+flags.DEFINE_enum("mode", "train", ["train", "eval", "plots", "report", "params"],
+                  "What to run.")
 flags.DEFINE_string("coordinator_address", None,
                     "Multi-process runs: HOST:PORT of process 0's coordinator.")
 flags.DEFINE_integer("num_processes", None, "Multi-process runs: the number of processes.")
@@ -98,6 +102,9 @@ def run(argv: list[str]) -> None:
     if FLAGS.mode == "plots":
         for path in render_run_plots(FLAGS.workdir):
             print(path)
+        return
+    if FLAGS.mode == "report":
+        print(write_report(FLAGS.workdir, json.loads(config.to_json_best_effort())))
         return
     init_distributed()
     logging.info("JAX %s: process %d of %d, %d local / %d global devices: %s", jax.__version__,

@@ -1,0 +1,208 @@
+"""Stage II: Post-Norm against Pre-Norm trained with the same seeds, data and learning rate; the
+collapse transition, its per-layer diagnostics and Theorem 3.8 on the trained checkpoints.
+
+    python -m experiments.collapse --out_dir DIR [--seeds 0,1,2] [--config configs/default.py]
+        [--steps N] [--norms post,pre] [--thm38]
+
+Each (norm, seed) trains with ``train_and_evaluate`` into ``DIR/<norm>_seed<k>``; a rerun skips
+finished runs and resumes partial ones (``postnorm.run_record``). The seed sets both the
+initialisation and the data order, so Post and Pre with the same seed see the same batches.
+Collapse is detected by the rule of ``postnorm.collapse``. Writes to DIR:
+
+* ``figures/loss_vs_lfreq.png``: every run's train loss against L_freq;
+* ``figures/<run>_layers.png``, ``_dldx.png``, ``_tsim.png``: sqrt(d)/||y_k|| and c_k, ||dL/dX_k||
+  and the tsim heatmap, with the transition window shaded (``postnorm.collapse_plots``);
+* ``<run>/thm38.json``: Thm 3.8 on the run's final checkpoint (``postnorm.collapsed_net``);
+* ``summary.json`` and ``summary.md``: per run and per norm, and the wall times.
+"""
+
+import copy
+import json
+import os
+import time
+
+import ml_collections
+import numpy as np
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from postnorm import collapsed_net
+from postnorm.collapse import Collapse, detect_collapse
+from postnorm.collapse_plots import plot_loss_runs, render_collapse_figures
+from postnorm.data.files import write_json_atomic
+from postnorm.data.lfreq import unigram_entropy
+from postnorm.plots import read_metrics
+from postnorm.run_record import run_once
+
+config_flags.DEFINE_config_file("config", "configs/default.py", "Base config (norm and seed are "
+                                "set per run).", lock_config=False)
+flags.DEFINE_string("out_dir", None, "Directory for the runs, figures and summaries.")
+flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds; each runs with every norm.")
+flags.DEFINE_list("norms", ["post", "pre"], "Norm placements to compare.")
+flags.DEFINE_integer("steps", None, "Override train.steps.")
+flags.DEFINE_bool("thm38", True, "Measure Thm 3.8 on every run's final checkpoint.")
+FLAGS = flags.FLAGS
+THM38_NAME = "thm38.json"
+
+
+def run_config(base: ml_collections.ConfigDict, norm: str, seed: int,
+               steps: int | None) -> ml_collections.ConfigDict:
+    config = copy.deepcopy(base)
+    config.model.norm, config.seed = norm, seed
+    if steps is not None:
+        config.train.steps = steps
+    return config
+
+
+def corpus_counts(config: ml_collections.ConfigDict, workdir: str, out_dir: str) -> np.ndarray:
+    """Corpus target counts, cached in ``out_dir`` under the dataset fingerprint; their entropy
+    must equal the run's logged L_freq."""
+    with open(os.path.join(workdir, "data_info.json")) as f:
+        info = json.load(f)
+    path = os.path.join(out_dir, f"unigram_counts_{info['fingerprint'][:16]}.npy")
+    if os.path.exists(path):
+        return np.load(path)
+    start = time.perf_counter()
+    counts_V = collapsed_net.corpus_unigram_counts(config.data)
+    entropy = unigram_entropy(counts_V)
+    if not np.isclose(entropy, info["lfreq"], rtol=1e-6):
+        raise ValueError(f"corpus counts give L_freq {entropy:.6f}, the run logged "
+                         f"{info['lfreq']:.6f}: the counts are not of the training targets")
+    np.save(path, counts_V)
+    logging.info("corpus unigram counts: %d tokens in %.1f s", counts_V.sum(),
+                 time.perf_counter() - start)
+    return counts_V
+
+
+def thm38(config: ml_collections.ConfigDict, workdir: str, out_dir: str) -> dict:
+    """The run's Thm 3.8 record, measured once per final checkpoint."""
+    path = os.path.join(workdir, THM38_NAME)
+    if os.path.exists(path):
+        with open(path) as f:
+            cached = json.load(f)
+        if cached["checkpoint_step"] == config.train.steps:
+            return cached
+    start = time.perf_counter()
+    result = collapsed_net.measure_run(config, workdir, corpus_counts(config, workdir, out_dir))
+    result["wall_s"] = time.perf_counter() - start
+    write_json_atomic(path, result)
+    return result
+
+
+def _fmt(value, spec: str = ".4f") -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, list | tuple):
+        return ", ".join(_fmt(v, spec) for v in value)
+    return format(value, spec) if isinstance(value, float) else str(value)
+
+
+def run_row(name: str, result: dict, collapse: Collapse | None) -> dict:
+    """One run's summary row."""
+    return {
+        "run": name, "status": result["status"],
+        "final_train_loss": result.get("final_train_loss"), "lfreq": result.get("lfreq"),
+        "loss_over_lfreq": result.get("train_loss_over_lfreq"),
+        "collapsed": bool(collapse and collapse.collapsed),
+        "collapse_step": collapse.collapse_step if collapse else None,
+        "window": collapse.window if collapse else None,
+        "similar_layers_step": collapse.similar_layers_step if collapse else None,
+        "pre_window_step": collapse.pre_window_step if collapse else None,
+        "grad_ratio_early": collapse.grad_ratio_early if collapse else None,
+        "grad_ratio_last": collapse.grad_ratio_last if collapse else None,
+        "grad_first_over_last_early": result.get("dldx_first_over_last_early_layers"),
+        "grad_first_over_last_last": result.get("dldx_first_over_last_last_layer"),
+        "fraction_tsim_ge_0.99_final": result.get("fraction_of_layers_tsim_ge_0.99"),
+        "train_wall_s": result["wall_s"],
+    }
+
+
+def thm38_row(name: str, record: dict) -> dict:
+    bound, point = record["bound"], record["stationary_point"]
+    return {
+        "run": name, "checkpoint_step": record["checkpoint_step"], "n": bound["n"],
+        "sequences": bound["sequences"], **{f"mean_{k}": v for k, v in bound["mean"].items()},
+        "w_lm_spectral_norm": bound["w_lm_spectral_norm"],
+        "bound_holds_fraction": bound["bound_holds_fraction"], "min_slack": bound["min_slack"],
+        "kl_pfreq_qbar": bound["kl_pfreq_qbar"], "lfreq_corpus": bound["lfreq_corpus"],
+        "point_loss_minus_lfreq": point["loss"] - point["lfreq_batch"],
+        "point_hidden_eps_max": point["hidden_eps_max"],
+        "point_max_abs_grad": point["at_point"]["max_abs_grad"],
+        "control_max_abs_grad": point["control"]["max_abs_grad"],
+    }
+
+
+def markdown(rows: list[dict], thm_rows: list[dict], wall: dict) -> str:
+    lines = ["| run | final train loss | L_freq | loss/L_freq | collapsed | collapse step | "
+             "window | half the layers at tsim ≥ 0.99 | grad ratio across window, layers 0-3 | "
+             "last layer | grad step 1/last, layers 0-3 | last layer | train wall s |",
+             "|" + "---|" * 13]
+    for r in rows:
+        lines.append("| " + " | ".join(_fmt(v, spec) for v, spec in (
+            (r["run"], ""), (r["final_train_loss"], ".4f"), (r["lfreq"], ".4f"),
+            (r["loss_over_lfreq"], ".3f"), ("yes" if r["collapsed"] else "no", ""),
+            (r["collapse_step"], ""), (r["window"], "d"), (r["similar_layers_step"], ""),
+            (r["grad_ratio_early"], ".3g"),
+            (r["grad_ratio_last"], ".3g"), (r["grad_first_over_last_early"], ".3g"),
+            (r["grad_first_over_last_last"], ".3g"), (r["train_wall_s"], ".0f"))) + " |")
+    if thm_rows:
+        lines += ["", "Theorem 3.8 on the final checkpoints (means over the validation "
+                  "sequences; eps = ||X_H - Pi_1 X_H||_F):", "",
+                  "| run | loss | L_freq(p_hat) | eps | bound | bound holds | loss at x_bar | "
+                  "KL(p_freq‖q̄) | p_freq point: loss − L_freq | max\\|grad\\| point | "
+                  "max\\|grad\\| control |", "|" + "---|" * 11]
+        for t in thm_rows:
+            lines.append("| " + " | ".join(_fmt(v, spec) for v, spec in (
+                (t["run"], ""), (t["mean_loss"], ".4f"), (t["mean_lfreq_seq"], ".4f"),
+                (t["mean_eps"], ".3g"), (t["mean_bound"], ".3g"),
+                (t["bound_holds_fraction"], ".2f"), (t["mean_collapsed_prediction_loss"], ".4f"),
+                (t["kl_pfreq_qbar"], ".4f"), (t["point_loss_minus_lfreq"], ".2e"),
+                (t["point_max_abs_grad"], ".2e"), (t["control_max_abs_grad"], ".2e"))) + " |")
+    lines += ["", f"Wall time of this invocation: {wall['invocation_s']:.0f} s; training time "
+              f"summed over the runs (including earlier invocations): {wall['train_sum_s']:.0f} s."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if FLAGS.out_dir is None:
+        raise app.UsageError("--out_dir is required")
+    start = time.perf_counter()
+    out_dir = os.path.abspath(FLAGS.out_dir)
+    fig_dir = os.path.join(out_dir, "figures")
+    rows, thm_rows, all_records = [], [], {}
+    for norm in FLAGS.norms:
+        for seed in (int(s) for s in FLAGS.seeds):
+            name = f"{norm}_seed{seed}"
+            workdir = os.path.join(out_dir, name)
+            config = run_config(FLAGS.config, norm, seed, FLAGS.steps)
+            result = run_once(config, workdir)
+            records = all_records[name] = read_metrics(workdir)
+            collapse = detect_collapse(records) if "collapse" in result else None
+            render_collapse_figures(records, collapse, fig_dir, prefix=f"{name}_")
+            rows.append(run_row(name, result, collapse))
+            if FLAGS.thm38 and result["status"] == "done":
+                thm_rows.append(thm38_row(name, thm38(config, workdir, out_dir)))
+            logging.info("%s: %s", name, json.dumps(rows[-1]))
+    plot_loss_runs(all_records, os.path.join(fig_dir, "loss_vs_lfreq.png"))
+    wall = {"invocation_s": time.perf_counter() - start,
+            "train_sum_s": float(sum(r["train_wall_s"] for r in rows))}
+    by_norm = {norm: {
+        "runs": len(sel), "collapsed": sum(r["collapsed"] for r in sel),
+        "loss_over_lfreq_mean": float(np.mean([r["loss_over_lfreq"] for r in sel])),
+        "loss_over_lfreq_sd": float(np.std([r["loss_over_lfreq"] for r in sel], ddof=1))
+        if len(sel) > 1 else 0.0}
+        for norm in FLAGS.norms
+        if (sel := [r for r in rows if r["run"].startswith(norm + "_")
+                    and r["loss_over_lfreq"] is not None])}
+    write_json_atomic(os.path.join(out_dir, "summary.json"),
+                      {"runs": rows, "by_norm": by_norm, "thm38": thm_rows, "wall": wall})
+    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+        f.write(markdown(rows, thm_rows, wall))
+    print(markdown(rows, thm_rows, wall))
+    print(json.dumps(by_norm, indent=2))
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,155 @@
+"""Run a sweep (``configs/sweeps/*.py``) sequentially and resumably; tabulate and map the results.
+
+    python -m experiments.sweep --sweep configs/sweeps/stability.py --out_dir DIR [--shard i/n]
+        [--override key=value ...] [--report_only]
+
+Each run trains into ``DIR/<run id>`` via ``postnorm.run_record.run_once``: finished runs are
+skipped, partial ones resume from their latest checkpoint, a run stopped by a non-finite step is
+recorded as ``nonfinite`` (a diverged cell of the map). ``--shard i/n`` runs every n-th run of the
+plan starting at i, so n hosts sharing DIR split the sweep; every invocation then rewrites the
+table and the map from all finished runs found in DIR:
+
+* ``summary.json`` / ``summary.md``: per run the status, final train loss (mean of the last three
+  logged steps), L_freq, collapsed yes/no and collapse step (``postnorm.collapse``);
+* ``stability_map.png``: per norm placement a depth x lr grid coloured by final loss / L_freq,
+  collapsed cells marked C in a red frame, diverged cells marked x, missing ones left blank.
+"""
+
+import json
+import os
+import time
+
+import matplotlib
+import numpy as np
+from absl import app, flags, logging
+
+from postnorm.data.files import write_json_atomic
+from postnorm.run_record import is_finished, read_result, run_once
+from postnorm.sweep import RunSpec, build_config, parse_shard, plan_file, shard
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+flags.DEFINE_string("sweep", None, "Sweep file, e.g. configs/sweeps/stability.py[:smoke].")
+flags.DEFINE_string("out_dir", None, "Directory for the runs, the table and the map.")
+flags.DEFINE_string("shard", "0/1", "i/n: run every n-th run of the plan, starting at i.")
+flags.DEFINE_list("override", [], "key=value overrides applied to every run after the sweep's.")
+flags.DEFINE_bool("report_only", False, "Only rewrite the table and map from finished runs.")
+FLAGS = flags.FLAGS
+
+MAP_AXES = ("model.n_layers", "opt.lr", "model.norm")  # rows, columns, panels
+
+
+def table_row(spec: RunSpec, result: dict | None) -> dict:
+    """One row of the summary table; ``status`` is ``missing`` for runs not finished yet."""
+    row = {"run_id": spec.run_id, **dict(spec.overrides), "status": "missing"}
+    if result is None:
+        return row
+    collapse = result.get("collapse") or {}
+    row.update(status=result["status"], final_train_loss=result.get("final_train_loss"),
+               lfreq=result.get("lfreq"), loss_over_lfreq=result.get("train_loss_over_lfreq"),
+               collapsed=collapse.get("collapsed"), collapse_step=collapse.get("collapse_step"),
+               wall_s=result.get("wall_s"))
+    return row
+
+
+def markdown(rows: list[dict], keys: list[str]) -> str:
+    def fmt(value) -> str:
+        if value is None:
+            return "–"
+        if isinstance(value, bool):
+            return "yes" if value else "no"
+        return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+    columns = keys + ["status", "final_train_loss", "lfreq", "loss_over_lfreq", "collapsed",
+                      "collapse_step", "wall_s"]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def stability_map(rows: list[dict], path: str, axes: tuple[str, str, str] = MAP_AXES) -> str:
+    """Per value of axes[2], an axes[0] x axes[1] grid coloured by final loss / L_freq."""
+    row_key, col_key, panel_key = axes
+    row_vals = sorted({r[row_key] for r in rows})
+    col_vals = sorted({r[col_key] for r in rows})
+    panels = sorted({r[panel_key] for r in rows})
+    ratios = [r["loss_over_lfreq"] for r in rows if r.get("loss_over_lfreq") is not None]
+    vmin, vmax = (min(ratios), max(ratios)) if ratios else (0.0, 1.0)
+    fig, axs = plt.subplots(1, len(panels), figsize=(4.2 * len(panels) + 1, 3.8), squeeze=False)
+    for ax, panel in zip(axs[0], panels, strict=True):
+        grid = np.full((len(row_vals), len(col_vals)), np.nan)
+        cells = {(r[row_key], r[col_key]): r for r in rows if r[panel_key] == panel}
+        for (rv, cv), r in cells.items():
+            i, j = row_vals.index(rv), col_vals.index(cv)
+            if r.get("loss_over_lfreq") is not None and r["status"] == "done":
+                grid[i, j] = r["loss_over_lfreq"]
+            label = {"nonfinite": "x", "missing": ""}.get(r["status"], "")
+            dark = False
+            if r["status"] == "done":
+                label = f"{grid[i, j]:.3f}" + ("\nC" if r.get("collapsed") else "")
+                dark = (grid[i, j] - vmin) / max(vmax - vmin, 1e-12) > 0.5  # viridis_r
+            if r.get("collapsed"):
+                ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, ec="red", lw=2))
+            ax.text(j, i, label, ha="center", va="center", fontsize=9,
+                    color="white" if dark else "black")
+        image = ax.imshow(grid, origin="lower", cmap="viridis_r", vmin=vmin, vmax=vmax,
+                          aspect="auto")
+        ax.set_xticks(range(len(col_vals)), [f"{v:g}" for v in col_vals])
+        ax.set_yticks(range(len(row_vals)), [str(v) for v in row_vals])
+        ax.set_xlabel(col_key)
+        ax.set_ylabel(row_key)
+        ax.set_title(f"{panel_key} = {panel}", fontsize=10)
+    fig.colorbar(image, ax=axs[0].tolist(), label="final train loss / L_freq")
+    fig.suptitle("C (red frame): collapsed by the postnorm.collapse rule; x: stopped by a "
+                 "non-finite step; blank: not run yet", fontsize=9)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def run_sweep(base_config: str, specs: list[RunSpec], out_dir: str,
+              extra: dict[str, str]) -> None:
+    """Train (or skip) every run of ``specs`` in order."""
+    for number, spec in enumerate(specs, 1):
+        config = build_config(base_config, spec, extra)
+        workdir = os.path.join(out_dir, spec.run_id)
+        if is_finished(workdir, config):
+            logging.info("run %d/%d %s: already finished", number, len(specs), spec.run_id)
+            continue
+        start = time.perf_counter()
+        result = run_once(config, workdir)
+        logging.info("run %d/%d %s: %s, %.0f s", number, len(specs), spec.run_id,
+                     result["status"], time.perf_counter() - start)
+
+
+def write_summary(specs: list[RunSpec], out_dir: str) -> list[dict]:
+    """Table (JSON, markdown) and map of every run of the plan found finished in ``out_dir``."""
+    rows = [table_row(s, read_result(os.path.join(out_dir, s.run_id))) for s in specs]
+    keys = [k for k, _ in specs[0].overrides
+            if len({str(s.override(k)) for s in specs}) > 1]
+    write_json_atomic(os.path.join(out_dir, "summary.json"), rows)
+    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+        f.write(markdown(rows, keys))
+    if all(k in dict(specs[0].overrides) for k in MAP_AXES):
+        stability_map(rows, os.path.join(out_dir, "stability_map.png"))
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if FLAGS.sweep is None or FLAGS.out_dir is None:
+        raise app.UsageError("--sweep and --out_dir are required")
+    base_config, specs = plan_file(FLAGS.sweep)
+    index, count = parse_shard(FLAGS.shard)
+    extra = dict(item.split("=", 1) for item in FLAGS.override)
+    os.makedirs(FLAGS.out_dir, exist_ok=True)
+    if not FLAGS.report_only:
+        run_sweep(base_config, shard(specs, index, count), FLAGS.out_dir, extra)
+    rows = write_summary(specs, FLAGS.out_dir)
+    print(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    app.run(main)

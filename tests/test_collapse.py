@@ -1,0 +1,122 @@
+"""The collapse rule (postnorm.collapse) on synthetic metric records with a known answer."""
+
+import numpy as np
+import pytest
+
+from postnorm.collapse import CollapseRule, detect_collapse
+from postnorm.metrics import layer_key
+
+LFREQ = 5.0
+INSTANT = CollapseRule(loss_smoothing=1)  # the loss of the step itself, no averaging
+
+
+def records(steps, tsim_LxS, loss_S, dldx_LxS=None, loss_steps=None) -> list[dict]:
+    """Records shaped like the trainer's: diag keys on ``steps``; train loss on ``loss_steps``
+    (default: the same steps)."""
+    tsim_LxS = np.asarray(tsim_LxS, float)
+    n_layers = tsim_LxS.shape[0]
+    loss_steps = steps if loss_steps is None else loss_steps
+    by_step = {s: {"step": s} for s in sorted(set(steps) | set(loss_steps))}
+    for s, loss in zip(loss_steps, loss_S, strict=True):
+        by_step[s].update({"train/loss": loss, "train/lfreq": LFREQ})
+    for col, s in enumerate(steps):
+        for layer in range(n_layers):
+            by_step[s][layer_key("diag/tsim_attn", layer, n_layers)] = tsim_LxS[layer, col]
+            if dldx_LxS is not None:
+                by_step[s][layer_key("diag/dldx_norm_attn", layer, n_layers)] = \
+                    dldx_LxS[layer][col]
+    return list(by_step.values())
+
+
+STEPS = [1, 10, 20, 30, 40, 50]
+# 4 layers: layer 3 reaches 0.99 at step 20 (onset), layers 2-3 (half) from step 30.
+TSIM = [[0.1, 0.2, 0.3, 0.5, 0.6, 0.7],
+        [0.1, 0.3, 0.5, 0.8, 0.9, 0.95],
+        [0.2, 0.5, 0.9, 0.995, 0.999, 0.999],
+        [0.3, 0.9, 0.991, 0.999, 0.9999, 0.9999]]
+
+
+def test_collapse_step_window_and_gradient_ratios():
+    loss = [9.0, 8.0, 6.0, 5.2, 5.1, 5.05]  # within 5% of 5.0 from step 30 (5.2 <= 5.25)
+    dldx = np.arange(1, 25, dtype=float).reshape(4, 6) ** 2
+    found = detect_collapse(records(STEPS, TSIM, loss, dldx), INSTANT)
+    assert found.collapsed
+    assert (found.onset_step, found.collapse_step, found.first_hit_step) == (20, 30, 30)
+    assert found.similar_layers_step == 30
+    assert found.window == (20, 30)
+    assert found.pre_window_step == 10  # the last diagnostic step before the onset
+    np.testing.assert_allclose(found.grad_ratio_early, dldx[:, 1] / dldx[:, 3])
+    np.testing.assert_allclose(found.grad_ratio_last, dldx[3, 1] / dldx[3, 3])
+    np.testing.assert_allclose(found.fraction_collapsed, [0, 0, 0.25, 0.5, 0.5, 0.5])
+    assert found.meets_criterion == [False, False, False, True, True, True]
+    assert found.to_json()["window"] == (20, 30)
+
+
+def test_loss_outside_the_tolerance_is_not_a_collapse():
+    loss = [9.0, 8.0, 6.0, 5.3, 5.26, 5.26]  # 5% of 5.0 is 0.25
+    found = detect_collapse(records(STEPS, TSIM, loss), INSTANT)
+    assert not found.collapsed and found.collapse_step is None and found.window is None
+    assert found.onset_step is None and found.first_hit_step is None
+    assert found.similar_layers_step == 30  # the tsim part holds, the loss part does not
+    loosened = detect_collapse(records(STEPS, TSIM, loss),
+                               CollapseRule(loss_rtol=0.06, loss_smoothing=1))
+    assert loosened.collapsed and loosened.collapse_step == 30
+
+
+def test_too_few_similar_layers_is_not_a_collapse():
+    loss = [9.0, 8.0, 6.0, 5.0, 5.0, 5.0]
+    found = detect_collapse(records(STEPS, TSIM, loss),
+                            CollapseRule(layer_fraction=0.75, loss_smoothing=1))
+    assert not found.collapsed and found.similar_layers_step is None
+    assert found.meets_criterion == [False] * 6
+
+
+def test_a_transient_crossing_is_not_the_collapse_step():
+    tsim = np.array(TSIM)
+    tsim[2, 3] = 0.5  # layer 2 leaves collapse at step 30 only
+    loss = [9.0, 8.0, 5.1, 5.1, 5.1, 5.1]
+    found = detect_collapse(records(STEPS, tsim, loss), INSTANT)
+    assert (found.first_hit_step, found.collapse_step) == (40, 40)
+    tsim[2, 2] = 0.995  # now the criterion holds at 20, fails at 30, holds from 40
+    found = detect_collapse(records(STEPS, tsim, loss), INSTANT)
+    assert found.meets_criterion == [False, False, True, False, True, True]
+    assert (found.first_hit_step, found.collapse_step, found.onset_step) == (20, 40, 20)
+
+
+def test_ending_uncollapsed_is_not_a_collapse():
+    loss = [9.0, 8.0, 5.0, 5.0, 5.0, 7.0]
+    found = detect_collapse(records(STEPS, TSIM, loss), INSTANT)
+    assert not found.collapsed and found.first_hit_step == 30
+
+
+def test_loss_of_a_diagnostic_step_without_a_logged_loss_is_the_latest_before():
+    loss_steps = [1, 5, 15, 25, 35, 45]
+    loss = [9.0, 8.0, 5.1, 7.0, 5.1, 5.1]  # at step 30 the latest loss is step 25's (7.0)
+    found = detect_collapse(records(STEPS, TSIM, loss, loss_steps=loss_steps), INSTANT)
+    assert found.meets_criterion == [False, False, False, False, True, True]
+    assert found.collapse_step == 40
+
+
+def test_onset_at_the_first_diagnostic_step_uses_it_for_the_ratios():
+    tsim = np.array(TSIM)
+    tsim[3, 0] = 0.995
+    dldx = np.full((4, 6), 2.0)
+    dldx[:, 3] = 0.5
+    found = detect_collapse(records(STEPS, tsim, [5.0] * 6, dldx), INSTANT)
+    assert found.onset_step == 1 and found.pre_window_step == 1
+    np.testing.assert_allclose(found.grad_ratio_early, [4.0] * 4)
+
+
+def test_the_loss_is_the_mean_of_the_last_three_logged_by_default():
+    loss = [9.0, 8.0, 5.0, 5.0, 5.4, 5.0]  # one noisy batch at step 40
+    instant = detect_collapse(records(STEPS, TSIM, loss), INSTANT)
+    assert instant.meets_criterion == [False, False, False, True, False, True]
+    assert instant.collapse_step == 50
+    smoothed = detect_collapse(records(STEPS, TSIM, loss))  # 30: (8+5+5)/3 = 6 > 5.25
+    assert smoothed.meets_criterion == [False, False, False, False, True, True]
+    assert smoothed.collapse_step == 40
+
+
+def test_no_diagnostics_is_an_error():
+    with pytest.raises(ValueError, match="tsim_attn"):
+        detect_collapse([{"step": 1, "train/loss": 5.0, "train/lfreq": LFREQ}])

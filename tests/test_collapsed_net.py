@@ -1,0 +1,118 @@
+"""Theorem 3.8 measurements (postnorm.collapsed_net) on a tiny Decoder, against numpy."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from postnorm import collapsed_net, theory_mc
+from postnorm.model import Decoder, ModelSpec
+
+VOCAB, N, D = 16, 32, 16
+
+
+def tiny(norm: str, **kwargs) -> tuple[ModelSpec, dict]:
+    spec = ModelSpec(vocab_size=VOCAB, max_len=N, n_layers=2, d_model=D, n_heads=2, d_ff=32,
+                     norm=norm, **kwargs)
+    params = nn.unbox(Decoder(spec).init(jax.random.key(1), jnp.zeros((1, N), jnp.int32))
+                      ["params"])
+    return spec, params
+
+
+def numpy_rmsnorm(x: np.ndarray, scale: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * scale
+
+
+def batch(seed: int, size: int = 4) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"inputs": rng.integers(0, VOCAB, (size, N)).astype(np.int32),
+            "targets": rng.integers(0, VOCAB, (size, N)).astype(np.int32)}
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_hidden_states_are_the_layer_stack_output_and_give_the_logits(norm):
+    spec, params = tiny(norm)
+    tokens = batch(0)["inputs"]
+    hidden, logits = collapsed_net.hidden_and_logits(spec)(params, tokens)
+    stack_out = theory_mc.LayerStack(spec).apply({"params": {"layers": params["layers"]}},
+                                                 params["embedding"][tokens], None)[0]
+    expected = np.asarray(stack_out, np.float64)
+    if norm == "pre":
+        expected = numpy_rmsnorm(expected, np.asarray(params["final_norm"]["scale"]),
+                                 spec.norm_eps)
+    np.testing.assert_allclose(hidden, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(logits, Decoder(spec).apply({"params": params}, tokens),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        logits, np.asarray(hidden, np.float64) @ collapsed_net.lm_head_matrix(params, spec).T,
+        rtol=1e-4, atol=1e-4)
+
+
+def test_lm_head_matrix_of_a_tied_head_gives_the_logits():
+    spec, params = tiny("post", tie_embeddings=True)
+    tokens = batch(0)["inputs"]
+    hidden, logits = collapsed_net.hidden_and_logits(spec)(params, tokens)
+    np.testing.assert_allclose(
+        logits, np.asarray(hidden, np.float64) @ collapsed_net.lm_head_matrix(params, spec).T,
+        rtol=1e-4, atol=1e-4)
+
+
+def numpy_bound(hidden_NxD, logits_NxV, targets_N, w_VxD) -> dict[str, float]:
+    """Thm 3.8(i) from its definitions, directly in numpy."""
+    z = logits_NxV - logits_NxV.max(1, keepdims=True)
+    log_p = z - np.log(np.exp(z).sum(1, keepdims=True))
+    loss = -log_p[np.arange(N), targets_N].mean()
+    p_hat = np.bincount(targets_N, minlength=VOCAB) / N
+    lfreq = -np.sum(p_hat[p_hat > 0] * np.log(p_hat[p_hat > 0]))
+    eps = np.sqrt(np.sum((hidden_NxD - hidden_NxD.mean(0)) ** 2))
+    sigma_max = np.linalg.svd(w_VxD, compute_uv=False)[0]
+    return {"loss": loss, "lfreq_seq": lfreq, "eps": eps,
+            "bound": lfreq - 2 / np.sqrt(N) * sigma_max * eps}
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_bound_matches_numpy_and_holds(norm):
+    spec, params = tiny(norm)
+    batches = [batch(1), batch(2)]
+    counts_V = np.arange(1, VOCAB + 1, dtype=np.int64)
+    out = collapsed_net.measure_bound(spec, params, batches, counts_V)
+    w_VxD = np.asarray(params["lm_head"], np.float64).T
+    expected, q_sum = [], np.zeros(VOCAB)
+    for b in batches:
+        hidden, logits = collapsed_net.hidden_and_logits(spec)(params, b["inputs"])
+        hidden, logits = np.asarray(hidden, np.float64), np.asarray(logits, np.float64)
+        for i in range(len(b["inputs"])):
+            expected.append(numpy_bound(hidden[i], logits[i], b["targets"][i], w_VxD))
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        q_sum += (probs / probs.sum(-1, keepdims=True)).sum((0, 1))
+    for key in ("loss", "lfreq_seq", "eps", "bound"):
+        np.testing.assert_allclose(out["per_sequence"][key], [e[key] for e in expected],
+                                   rtol=1e-5, err_msg=key)
+    assert out["bound_holds_fraction"] == 1.0 and out["min_slack"] > 0
+    p, q = counts_V / counts_V.sum(), q_sum / q_sum.sum()
+    np.testing.assert_allclose(out["kl_pfreq_qbar"], np.sum(p * np.log(p / q)), rtol=1e-6)
+    np.testing.assert_allclose(out["lfreq_corpus"], -np.sum(p * np.log(p)), rtol=1e-12)
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_constructed_pfreq_point_is_collapsed_at_lfreq_and_stationary(norm):
+    spec, params = tiny(norm)
+    b = batch(3, size=2)
+    out = collapsed_net.stationary_point(spec, params, b["inputs"], b["targets"], token_id=5)
+    counts = np.bincount(b["targets"].ravel(), minlength=VOCAB)
+    p = counts[counts > 0] / counts.sum()
+    np.testing.assert_allclose(out["lfreq_batch"], -np.sum(p * np.log(p)), rtol=1e-12)
+    np.testing.assert_allclose(out["loss"], out["lfreq_batch"], rtol=1e-5)
+    assert out["hidden_eps_max"] < 1e-4 and out["hidden_tsim_min"] > 1 - 1e-9
+    assert out["at_point"]["max_abs_grad"] < 1e-5
+    assert out["control"]["max_abs_grad"] > 1e-2
+    assert len(out["at_point"]["grad_norm_attn"]) == spec.n_layers
+    assert max(out["at_point"]["grad_norm_ffn"]) < 1e-5 < min(out["control"]["grad_norm_ffn"])
+
+
+def test_constructed_point_refuses_a_tied_head():
+    spec, params = tiny("post", tie_embeddings=True)
+    b = batch(3)
+    with pytest.raises(ValueError, match="untied"):
+        collapsed_net.stationary_point(spec, params, b["inputs"], b["targets"], token_id=5)

@@ -1,0 +1,77 @@
+"""The HTML run report (postnorm.report, ``main.py --mode=report``) on synthetic metrics."""
+
+import base64
+import json
+import re
+import subprocess
+import sys
+
+from configs.default import get_config
+from postnorm import report
+from postnorm.metrics import layer_key
+
+N_LAYERS, STEPS = 6, list(range(10, 101, 10))
+FIGURES = ["loss_vs_lfreq", "tsim", "layers", "dldx", "heatmap_tsim", "heatmap_dldx",
+           "heatmap_contraction", "heatmap_y_rms"]
+
+
+def write_run(workdir, collapse: bool = True, skipped: int = 2) -> None:
+    """A Post-Norm-like run: the top layer's tsim -> 1 from step 20, the upper half's and the
+    loss -> L_freq = 5 from step 40, early gradients falling 1e4x; ``skipped`` non-finite steps
+    skipped by the end."""
+    config = get_config(f"layers={N_LAYERS},steps=100")
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+    lines = []
+    for col, step in enumerate([1] + STEPS):
+        late = collapse and step >= 40
+        record = {"step": step, "train/loss": 5.1 if late else 8.0 - 0.05 * step,
+                  "train/lfreq": 5.0, "train/skipped_steps": skipped if step == 100 else 0}
+        for layer in range(N_LAYERS):
+            top = collapse and step >= 20 and layer == N_LAYERS - 1
+            tsim = 0.999 if top or (late and layer >= N_LAYERS // 2) else 0.1 + 0.05 * layer
+            values = {"tsim": tsim, "dldx_norm": 10.0 ** (-col * 0.4 * (layer < 4)),
+                      "c_mean": 1 - 0.02 * col, "y_rms_mean": 1 + 0.03 * col}
+            for name, value in values.items():
+                for kind in ("attn", "ffn"):
+                    record[layer_key(f"diag/{name}_{kind}", layer, N_LAYERS)] = value
+        if step == 100:
+            record.update({"eval/loss": 5.2, "eval/lfreq": 5.0})
+        lines.append(json.dumps(record))
+    (workdir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def embedded_images(text: str) -> dict[str, bytes]:
+    return {alt: base64.b64decode(data) for alt, data in
+            re.findall(r'<img alt="([^"]+)" src="data:image/png;base64,([^"]+)">', text)}
+
+
+def test_report_embeds_every_figure_and_warns(tmp_path):
+    write_run(tmp_path)
+    with open(report.write_report(str(tmp_path))) as f:
+        text = f.read()
+    images = embedded_images(text)
+    assert sorted(images) == sorted(FIGURES)
+    assert all(png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000 for png in images.values())
+    assert not re.search(r'src="(?!data:)', text)  # self-contained
+    # the loss (mean of the last 3 logged) is within 5% of L_freq from step 60
+    assert "Collapse detected: from step 60 on" in text and "[20, 60]" in text
+    assert "2 non-finite steps were skipped" in text
+    assert "Gradient vanishing in the early layers" in text
+    assert "&quot;n_layers&quot;: 6" in text  # the config section, HTML-escaped
+
+
+def test_report_of_a_healthy_run_has_no_collapse_warning(tmp_path):
+    write_run(tmp_path, collapse=False, skipped=0)
+    text = report.build_report(str(tmp_path))
+    assert "Collapse detected" not in text and "non-finite" not in text
+    assert "<th>collapsed</th><td>no</td>" in text
+
+
+def test_main_report_mode_writes_the_html(tmp_path):
+    write_run(tmp_path)
+    done = subprocess.run([sys.executable, "main.py", "--mode=report", "--config",
+                           "configs/default.py", "--workdir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("report.html")
+    assert len(embedded_images((tmp_path / "report.html").read_text())) == len(FIGURES)

@@ -1,0 +1,175 @@
+"""Sweep planning and sharding (postnorm.sweep), the run-once logic that makes sweeps resumable
+(postnorm.run_record), and the sweep's table and map (experiments.sweep)."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from configs.default import get_config
+from experiments import sweep as sweep_cli
+from postnorm import run_record, sweep
+from postnorm.metrics import layer_key
+from postnorm.nonfinite import NonFiniteError
+from postnorm.train import train_and_evaluate
+
+STABILITY = "configs/sweeps/stability.py"
+
+
+def test_stability_plan_is_the_full_grid_with_stable_readable_ids():
+    base, specs = sweep.plan_file(STABILITY)
+    assert base == "configs/default.py"
+    assert len(specs) == 3 * 3 * 2
+    assert len({s.run_id for s in specs}) == 18
+    cells = {(s.override("model.n_layers"), s.override("opt.lr"), s.override("model.norm"))
+             for s in specs}
+    assert cells == {(d, lr, n) for d in (12, 24, 48) for lr in (3e-4, 1e-3, 3e-3)
+                     for n in ("post", "pre")}
+    assert all(s.override("train.steps") == 300 for s in specs)
+    assert specs[0].run_id == "n_layers=12_norm=post_lr=0.0003"  # fixed keys stay out of ids
+    assert [s.run_id for s in sweep.plan_file(STABILITY)[1]] == [s.run_id for s in specs]
+
+
+def test_shards_partition_the_plan():
+    _, specs = sweep.plan_file(STABILITY)
+    shards = [sweep.shard(specs, i, 4) for i in range(4)]
+    ids = [s.run_id for part in shards for s in part]
+    assert sorted(ids) == sorted(s.run_id for s in specs) and len(ids) == len(set(ids))
+    assert sweep.parse_shard(" 1/4 ") == (1, 4)
+    for bad in ("4/4", "-1/2", "1", "a/b"):
+        with pytest.raises(ValueError, match="shard"):
+            sweep.parse_shard(bad)
+
+
+def test_plan_rejects_uneven_entries_and_repeats():
+    with pytest.raises(ValueError, match="same keys"):
+        sweep.plan([{"opt.lr": 1e-3}, {"model.n_layers": 2}])
+    with pytest.raises(ValueError, match="repeats"):
+        sweep.plan([{"opt.lr": 1e-3, "seed": 0}, {"opt.lr": 1e-3, "seed": 0},
+                    {"opt.lr": 2e-3, "seed": 0}])
+
+
+def test_build_config_applies_the_overrides_then_the_extra_ones():
+    base, specs = sweep.plan_file(STABILITY + ":smoke")
+    spec = specs[-1]
+    config = sweep.build_config(base, spec, {"train.log_every": "5"})
+    assert (config.model.n_layers, config.opt.lr, config.model.norm) == (4, 3e-3, "pre")
+    assert (config.train.steps, config.diag.every, config.train.log_every) == (20, 5, 5)
+
+
+class RecordingTrainer:
+    """Stands in for train_and_evaluate: records its calls and leaves what the trainer leaves
+    (config.json, metrics.jsonl, checkpoints/<step>/), stopping early when ``stop_at`` is set."""
+
+    def __init__(self, stop_at: int | None = None, nonfinite: bool = False):
+        self.calls, self.stop_at, self.nonfinite = [], stop_at, nonfinite
+
+    def __call__(self, config, workdir):
+        self.calls.append(workdir)
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort(indent=2))
+        last = self.stop_at or config.train.steps
+        with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+            for step in range(1, last + 1):
+                record = {"step": step, "train/loss": 9.0 / step + 5.0, "train/lfreq": 5.0}
+                for layer in range(config.model.n_layers):
+                    record[layer_key("diag/tsim_attn", layer, config.model.n_layers)] = 0.5
+                f.write(json.dumps(record) + "\n")
+        os.makedirs(os.path.join(workdir, "checkpoints", str(last)), exist_ok=True)
+        if self.nonfinite:
+            raise NonFiniteError("step 3 has a non-finite loss")
+
+
+def small_config(steps: int = 4):
+    return get_config(f"layers=2,steps={steps}")
+
+
+def test_a_finished_run_is_skipped_and_a_partial_one_resumed(tmp_path):
+    config, workdir = small_config(), str(tmp_path / "run")
+    partial = RecordingTrainer(stop_at=2)
+    os.makedirs(workdir)
+    partial(config, workdir)  # a run killed after its step-2 checkpoint: no result.json
+    assert not run_record.is_finished(workdir, config)
+    trainer = RecordingTrainer()
+    result = run_record.run_once(config, workdir, train_fn=trainer)
+    assert trainer.calls == [workdir] and result["resumed_from_step"] == 2
+    assert result["status"] == "done" and result["final_step"] == 4
+    assert result["collapse"]["collapsed"] is False
+    assert run_record.is_finished(workdir, config)
+    again = run_record.run_once(config, workdir, train_fn=trainer)
+    assert trainer.calls == [workdir] and again == result  # skipped: re-read
+    os.rmdir(os.path.join(workdir, "checkpoints", "4"))  # the final checkpoint is gone
+    assert not run_record.is_finished(workdir, config)
+    run_record.run_once(config, workdir, train_fn=trainer)
+    assert trainer.calls == [workdir, workdir]
+
+
+def test_a_different_config_is_neither_finished_nor_overwritten(tmp_path):
+    workdir = str(tmp_path / "run")
+    run_record.run_once(small_config(), workdir, train_fn=RecordingTrainer())
+    other = small_config(steps=6)
+    assert not run_record.is_finished(workdir, other)
+    with pytest.raises(ValueError, match="different config"):
+        run_record.run_once(other, workdir, train_fn=RecordingTrainer())
+
+
+def test_a_nonfinite_run_is_recorded_and_not_retried(tmp_path):
+    config, workdir = small_config(), str(tmp_path / "run")
+    trainer = RecordingTrainer(stop_at=3, nonfinite=True)
+    result = run_record.run_once(config, workdir, train_fn=trainer)
+    assert result["status"] == "nonfinite" and "non-finite" in result["error"]
+    run_record.run_once(config, workdir, train_fn=trainer)
+    assert len(trainer.calls) == 1
+
+
+def test_summary_table_and_stability_map(tmp_path):
+    base, specs = sweep.plan_file(STABILITY)
+    out_dir = str(tmp_path)
+    finished = specs[:3]
+    for number, spec in enumerate(finished):
+        config = sweep.build_config(base, spec, {"train.steps": "4"})
+        trainer = RecordingTrainer(nonfinite=number == 2)
+        run_record.run_once(config, os.path.join(out_dir, spec.run_id), train_fn=trainer)
+    rows = sweep_cli.write_summary(specs, out_dir)
+    assert [r["status"] for r in rows[:4]] == ["done", "done", "nonfinite", "missing"]
+    assert rows[0]["loss_over_lfreq"] == pytest.approx((9 / 2 + 9 / 3 + 9 / 4) / 3 / 5 + 1)
+    table = (tmp_path / "summary.md").read_text()
+    assert table.splitlines()[0].startswith("| model.n_layers | model.norm | opt.lr | status |")
+    assert len(table.splitlines()) == 2 + 18
+    assert (tmp_path / "stability_map.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_run_once_with_the_real_trainer_skips_and_resumes(tmp_path):
+    """A tiny real run: finished -> skipped; final checkpoint and result removed -> resumed from
+    the previous checkpoint to the same final loss."""
+    rng = np.random.default_rng(0)
+    words = ["the", "norm", "token", "layer", "residual", "collapse", "gradient", "value"]
+    for i in range(30):
+        (tmp_path / f"doc{i:02d}.txt").write_text(
+            "\n".join(" ".join(rng.choice(words, 10)) + "." for _ in range(20)))
+    config = get_config("layers=2,steps=12,seq_len=32,batch=8,lr=3e-3")
+    config.model.d_model, config.model.n_heads, config.model.d_ff = 32, 4, 64
+    config.data.source, config.data.tokenizer = "text_files", "byte"
+    config.data.text_files = str(tmp_path / "*.txt")
+    config.data.data_dir = str(tmp_path / "tfds")
+    config.opt.warmup_steps, config.diag.every = 2, 4
+    config.train.ckpt_every, config.train.eval_every, config.train.eval_batches = 4, 12, 1
+    config.train.log_every = 1
+    calls = []
+
+    def train_fn(cfg, workdir):
+        calls.append(workdir)
+        return train_and_evaluate(cfg, workdir)
+
+    workdir = str(tmp_path / "run")
+    first = run_record.run_once(config, workdir, train_fn=train_fn)
+    assert first["status"] == "done" and first["final_step"] == 12 and len(calls) == 1
+    assert run_record.run_once(config, workdir, train_fn=train_fn) == first and len(calls) == 1
+    shutil.rmtree(os.path.join(workdir, "checkpoints", "12"))
+    os.remove(os.path.join(workdir, run_record.RESULT_NAME))
+    resumed = run_record.run_once(config, workdir, train_fn=train_fn)
+    assert len(calls) == 2 and resumed["resumed_from_step"] == 8
+    assert resumed["final_train_loss"] == first["final_train_loss"]
