@@ -31,12 +31,15 @@ def _parse_value(text: str, current: object, key: str) -> object:
         if text.lower() in ("false", "0", "no"):
             return False
         raise ValueError(f"{key}={text!r}: expected a boolean (true/false)")
-    for kind in (int, float):
-        if isinstance(current, kind):
-            try:
-                return kind(float(text)) if kind is int and float(text).is_integer() else kind(text)
-            except ValueError as err:
-                raise ValueError(f"{key}={text!r}: expected {kind.__name__}") from err
+    if isinstance(current, int | float):
+        kind = type(current)
+        try:
+            number = float(text)
+        except ValueError as err:
+            raise ValueError(f"{key}={text!r}: expected {kind.__name__}") from err
+        if kind is int and not number.is_integer():
+            raise ValueError(f"{key}={text!r}: expected int")
+        return kind(number)
     return text
 
 

@@ -17,7 +17,8 @@ WORDS = ("the", "model", "layer", "norm", "token", "attention", "residual", "gra
 
 
 def write_corpus(root: Path, num_docs: int = 40) -> Path:
-    """``num_docs`` text files of random sentences, one document each."""
+    """``num_docs`` text files of random sentences, one document each, in ``root`` (created)."""
+    root.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     for i in range(num_docs):
         text = "\n".join(" ".join(rng.choice(WORDS, size=12)) + "." for _ in range(20))

@@ -51,9 +51,7 @@ def mounts():
 def setup(tmp_path_factory):
     """A prepared dataset (so the main.py runs below only read it) and the --config flag."""
     root = tmp_path_factory.mktemp("filesystem")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    write_corpus(corpus)
+    corpus = write_corpus(root / "corpus")
     load_data(tiny_config(corpus, root / "tfds").data)
     flag = config_flag(corpus, root / "tfds", train__steps=30, train__ckpt_every=4)
     return flag, jax_cache_dir(tmp_path_factory)

@@ -89,9 +89,7 @@ def _reference_losses(config) -> dict[int, float]:
 
 @pytest.mark.slow
 def test_two_processes_preempt_resume_and_match_one_process(tmp_path, tmp_path_factory):
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    write_corpus(corpus, num_docs=80)  # 2 validation documents: one per process
+    corpus = write_corpus(tmp_path / "corpus", num_docs=80)  # 2 validation docs: one per process
     flag = config_flag(corpus, tmp_path / "tfds", **FIELDS)
     cache, workdir = jax_cache_dir(tmp_path_factory), tmp_path / "run"
 

@@ -125,9 +125,7 @@ STEPS = 8
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("nonfinite")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    write_corpus(corpus)
+    corpus = write_corpus(root / "corpus")
     return corpus, root / "tfds", jax_cache_dir(tmp_path_factory)
 
 

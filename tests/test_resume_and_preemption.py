@@ -30,9 +30,7 @@ STEPS = 30
 def reference(tmp_path_factory):
     """The --config flag, compilation cache and per-step losses of an uninterrupted run."""
     root = tmp_path_factory.mktemp("resume")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    config = config_flag(write_corpus(corpus), root / "tfds", train__steps=STEPS,
+    config = config_flag(write_corpus(root / "corpus"), root / "tfds", train__steps=STEPS,
                          train__ckpt_every=4)
     cache = jax_cache_dir(tmp_path_factory)
     result = run_main("--config", config, "--workdir", str(root / "reference"), cache_dir=cache)

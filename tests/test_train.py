@@ -14,50 +14,17 @@ from postnorm.sharding import batch_sharding, make_mesh
 from postnorm.step_builder import compile_steps
 from postnorm.train import train_and_evaluate
 from postnorm.validation import ConfigError, check_config
+from tests.reliability_helpers import read_losses, tiny_config, write_corpus
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    """A small local text corpus: varied sentences, one file per document."""
-    root = tmp_path_factory.mktemp("corpus")
-    rng = np.random.default_rng(0)
-    words = ["the", "model", "layer", "norm", "token", "attention", "residual", "gradient",
-             "loss", "collapse", "post", "pre", "value", "key", "query", "scale", "rank"]
-    for i in range(40):
-        text = "\n".join(" ".join(rng.choice(words, size=12)) + "." for _ in range(20))
-        (root / f"doc{i:03d}.txt").write_text(text)
-    return root
-
-
-def tiny_config(corpus, tmp_path, **overrides):
-    c = get_config(f"layers=2,steps={overrides.pop('steps', 20)}")
-    c.model.d_model, c.model.n_heads, c.model.d_ff = 32, 4, 64
-    c.data.source = "text_files"
-    c.data.text_files = str(corpus / "*.txt")
-    c.data.data_dir = str(tmp_path / "tfds")
-    c.data.tokenizer = "byte"
-    c.data.seq_len = 32
-    c.data.batch_size = 8
-    c.opt.lr = 3e-3
-    c.opt.warmup_steps = 2
-    c.train.log_every = 1
-    c.train.eval_every = 10
-    c.train.eval_batches = 1
-    for key, value in overrides.items():
-        section, field = key.split("__")
-        c[section][field] = value
-    return c
-
-
-def read_losses(workdir) -> dict[int, float]:
-    with open(workdir / "metrics.jsonl") as f:
-        records = [json.loads(line) for line in f]
-    return {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def test_twenty_steps_lower_the_loss_and_write_outputs(corpus, tmp_path):
     workdir = tmp_path / "run"
-    train_and_evaluate(tiny_config(corpus, tmp_path), str(workdir))
+    train_and_evaluate(tiny_config(corpus, tmp_path / "tfds"), str(workdir))
     losses = read_losses(workdir)
     assert sorted(losses) == list(range(1, 21))
     assert np.mean([losses[s] for s in (18, 19, 20)]) < losses[1] - 1.0
@@ -70,7 +37,7 @@ def test_twenty_steps_lower_the_loss_and_write_outputs(corpus, tmp_path):
 
 def test_resume_reproduces_losses_exactly(corpus, tmp_path):
     """Resuming from the step-4 checkpoint repeats steps 5..8 bit for bit."""
-    config = tiny_config(corpus, tmp_path, steps=8, train__ckpt_every=4)
+    config = tiny_config(corpus, tmp_path / "tfds", train__steps=8, train__ckpt_every=4)
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     train_and_evaluate(config, str(full))
     (resumed / "checkpoints").mkdir(parents=True)

@@ -130,9 +130,8 @@ def test_vocabulary_must_split_over_tensor():
 
 
 def test_validation_split_too_small_fails_before_training(tmp_path):
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    config = tiny_config(write_corpus(corpus), tmp_path / "tfds", train__eval_batches=1000)
+    config = tiny_config(write_corpus(tmp_path / "corpus"), tmp_path / "tfds",
+                         train__eval_batches=1000)
     workdir = tmp_path / "run"
     with pytest.raises(DataError, match="gives only .* batches .* not 1000"):
         train_and_evaluate(config, str(workdir))
