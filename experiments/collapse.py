@@ -2,11 +2,13 @@
 collapse transition, its per-layer diagnostics and Theorem 3.8 on the trained checkpoints.
 
     python -m experiments.collapse --out_dir DIR [--seeds 0,1,2] [--config configs/default.py]
-        [--steps N] [--norms post,pre] [--thm38]
+        [--steps N] [--norms post,pre] [--thm38] [--workers N]
 
 Each (norm, seed) trains with ``train_and_evaluate`` into ``DIR/<norm>_seed<k>``; a rerun skips
-finished runs and resumes partial ones (``postnorm.run_record``). The seed sets both the
-initialisation and the data order, so Post and Pre with the same seed see the same batches.
+finished runs and resumes partial ones (``postnorm.run_record``). With ``--workers N`` the runs
+train in N processes pinned to disjoint CPU sets (``postnorm.workers``) before the analysis.
+The seed sets both the initialisation and the data order, so Post and Pre with the same seed see
+the same batches.
 Collapse is detected by the rule of ``postnorm.collapse``. Writes to DIR:
 
 * ``figures/loss_vs_lfreq.png``: every run's train loss against L_freq;
@@ -29,10 +31,12 @@ from ml_collections import config_flags
 from postnorm import collapsed_net
 from postnorm.collapse import Collapse, detect_collapse
 from postnorm.collapse_plots import plot_loss_runs, render_collapse_figures
+from postnorm.data import load_data
 from postnorm.data.files import write_json_atomic
 from postnorm.data.lfreq import unigram_entropy
 from postnorm.plots import read_metrics
 from postnorm.run_record import run_once
+from postnorm.workers import run_pinned
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Base config (norm and seed are "
                                 "set per run).", lock_config=False)
@@ -41,6 +45,7 @@ flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds; each runs with every norm.")
 flags.DEFINE_list("norms", ["post", "pre"], "Norm placements to compare.")
 flags.DEFINE_integer("steps", None, "Override train.steps.")
 flags.DEFINE_bool("thm38", True, "Measure Thm 3.8 on every run's final checkpoint.")
+flags.DEFINE_integer("workers", 1, "Train the runs in this many CPU-pinned processes.")
 FLAGS = flags.FLAGS
 THM38_NAME = "thm38.json"
 
@@ -171,20 +176,23 @@ def main(argv: list[str]) -> None:
     start = time.perf_counter()
     out_dir = os.path.abspath(FLAGS.out_dir)
     fig_dir = os.path.join(out_dir, "figures")
+    runs = [(f"{norm}_seed{seed}", run_config(FLAGS.config, norm, int(seed), FLAGS.steps))
+            for norm in FLAGS.norms for seed in FLAGS.seeds]
+    if FLAGS.workers > 1:
+        load_data(runs[0][1].data, seed=runs[0][1].seed)  # build the shared caches once
+        run_pinned(run_once, [(config, os.path.join(out_dir, name)) for name, config in runs],
+                   FLAGS.workers)
     rows, thm_rows, all_records = [], [], {}
-    for norm in FLAGS.norms:
-        for seed in (int(s) for s in FLAGS.seeds):
-            name = f"{norm}_seed{seed}"
-            workdir = os.path.join(out_dir, name)
-            config = run_config(FLAGS.config, norm, seed, FLAGS.steps)
-            result = run_once(config, workdir)
-            records = all_records[name] = read_metrics(workdir)
-            collapse = detect_collapse(records) if "collapse" in result else None
-            render_collapse_figures(records, collapse, fig_dir, prefix=f"{name}_")
-            rows.append(run_row(name, result, collapse))
-            if FLAGS.thm38 and result["status"] == "done":
-                thm_rows.append(thm38_row(name, thm38(config, workdir, out_dir)))
-            logging.info("%s: %s", name, json.dumps(rows[-1]))
+    for name, config in runs:
+        workdir = os.path.join(out_dir, name)
+        result = run_once(config, workdir)
+        records = all_records[name] = read_metrics(workdir)
+        collapse = detect_collapse(records) if "collapse" in result else None
+        render_collapse_figures(records, collapse, fig_dir, prefix=f"{name}_")
+        rows.append(run_row(name, result, collapse))
+        if FLAGS.thm38 and result["status"] == "done":
+            thm_rows.append(thm38_row(name, thm38(config, workdir, out_dir)))
+        logging.info("%s: %s", name, json.dumps(rows[-1]))
     plot_loss_runs(all_records, os.path.join(fig_dir, "loss_vs_lfreq.png"))
     wall = {"invocation_s": time.perf_counter() - start,
             "train_sum_s": float(sum(r["train_wall_s"] for r in rows))}

@@ -3,6 +3,10 @@
 Matrices are stored ``[fan_in, fan_out]`` with logical axis names for sharding:
 ``embed`` (d_model), ``heads`` (n_heads * head_dim), ``mlp`` (d_ff), ``vocab``.
 Reductions (norm statistics, softmax) run in float32 whatever the compute dtype.
+
+Attention kernels (``model.attention``): ``einsum`` materialises the softmax probabilities
+(the diagnostic step always uses it, since its statistics read them); ``xla`` and ``cudnn`` call
+``jax.nn.dot_product_attention`` with that implementation (``cudnn``: GPU, bfloat16).
 """
 
 import flax.linen as nn
@@ -11,6 +15,8 @@ import jax.numpy as jnp
 
 from postnorm.diagnostics import attention_stats
 from postnorm.initializers import kernel_init
+
+ATTENTION_KERNELS = ("einsum", "xla", "cudnn")
 
 
 def dense_kernel(module: nn.Module, name: str, shape: tuple[int, int], axes: tuple[str, str],
@@ -67,6 +73,7 @@ class CausalSelfAttention(nn.Module):
     positions: str
     rope_base: float
     dtype: jnp.dtype
+    kernel: str = "einsum"
     collect_stats: bool = False
 
     @nn.compact
@@ -84,8 +91,14 @@ class CausalSelfAttention(nn.Module):
         if self.positions == "rope":
             q_BxLxHxK = rotary_embedding(q_BxLxHxK, self.rope_base)
             k_BxLxHxK = rotary_embedding(k_BxLxHxK, self.rope_base)
-        probs_BxHxLxL = causal_attention_weights(q_BxLxHxK, k_BxLxHxK)
-        out_BxLxHxK = jnp.einsum("bhlm,bmhk->blhk", probs_BxHxLxL.astype(self.dtype), v_BxLxHxK)
+        if self.kernel == "einsum" or self.collect_stats:
+            probs_BxHxLxL = causal_attention_weights(q_BxLxHxK, k_BxLxHxK)
+            out_BxLxHxK = jnp.einsum("bhlm,bmhk->blhk", probs_BxHxLxL.astype(self.dtype),
+                                     v_BxLxHxK)
+        else:
+            out_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK,
+                                                       is_causal=True,
+                                                       implementation=self.kernel)
         w_o_DxD = dense_kernel(self, "w_o", (d, d), ("heads", "embed"), self.init_scheme)
         out_BxLxD = out_BxLxHxK.reshape(batch, length, d) @ w_o_DxD.astype(self.dtype)
         if self.collect_stats:
@@ -94,7 +107,10 @@ class CausalSelfAttention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """FFN(x) = (SiLU(x W_gate) * (x W_up)) W_down; W_gate, W_up: d x d_ff, W_down: d_ff x d."""
+    """FFN(x) = (SiLU(x W_gate) * (x W_up)) W_down; W_gate, W_up: d x d_ff, W_down: d_ff x d.
+
+    W_gate and W_up stay separate parameters but are applied as one [d, 2 d_ff] matmul.
+    """
 
     d_ff: int
     init_scheme: str
@@ -107,5 +123,7 @@ class SwiGLU(nn.Module):
         w_gate = dense_kernel(self, "w_gate", (d, self.d_ff), ("embed", "mlp"), self.init_scheme)
         w_up = dense_kernel(self, "w_up", (d, self.d_ff), ("embed", "mlp"), self.init_scheme)
         w_down = dense_kernel(self, "w_down", (self.d_ff, d), ("mlp", "embed"), self.init_scheme)
-        hidden_BxLxF = nn.silu(x @ w_gate.astype(self.dtype)) * (x @ w_up.astype(self.dtype))
+        w_gate_up = jnp.concatenate([w_gate, w_up], axis=1).astype(self.dtype)
+        gate_BxLxF, up_BxLxF = jnp.split(x @ w_gate_up, 2, axis=-1)
+        hidden_BxLxF = nn.silu(gate_BxLxF) * up_BxLxF
         return hidden_BxLxF @ w_down.astype(self.dtype)

@@ -7,6 +7,11 @@
 * ``pre``:  x <- x + Attn(N(x)); x <- x + FFN(N(x)); a final N before the LM head.
 
 Parameters of the layer stack carry a leading ``[n_layers]`` axis (logical name ``layers``).
+
+``model.remat`` picks what the backward pass keeps of each layer's forward (``REMAT_POLICIES``):
+``none`` keeps every intermediate; ``dots`` keeps matmul outputs and recomputes elementwise
+work; ``dots_no_batch`` also recomputes the attention scores and probabilities (the
+[B, H, n, n] arrays); ``full`` keeps only the layer input.
 """
 
 import dataclasses
@@ -24,6 +29,12 @@ from postnorm.taps import tap
 NORM_PLACEMENTS = ("post", "pre")
 POSITION_SCHEMES = ("rope", "learned", "none")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+REMAT_POLICIES = {
+    "none": None,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +54,8 @@ class ModelSpec:
     norm_eps: float = 1e-6
     rope_base: float = 10000.0
     dtype: str = "float32"
+    attention: str = "einsum"
+    remat: str = "none"
 
     @classmethod
     def from_config(cls, model_cfg: ml_collections.ConfigDict, *, vocab_size: int,
@@ -68,7 +81,7 @@ class Block(nn.Module):
         dtype = DTYPES[s.dtype]
         diag = probes_2xS is not None
         attn = CausalSelfAttention(s.n_heads, s.init, s.positions, s.rope_base, dtype,
-                                   collect_stats=diag, name="attn")
+                                   kernel=s.attention, collect_stats=diag, name="attn")
         ffn = SwiGLU(s.d_ff, s.init, dtype, name="ffn")
         stats = {}
         for index, (kind, sublayer) in enumerate((("attn", attn), ("ffn", ffn))):
@@ -117,7 +130,10 @@ class Decoder(nn.Module):
             x_BxLxD = x_BxLxD + pos_LxD[: tokens_BxL.shape[1]]
         x_BxLxD = x_BxLxD.astype(DTYPES[s.dtype])
 
-        stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+        block = Block
+        if s.remat != "none":
+            block = nn.remat(Block, prevent_cse=False, policy=REMAT_POLICIES[s.remat])
+        stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
                         length=s.n_layers, metadata_params={nn.PARTITION_NAME: "layers"})
         layer_probes = None if probes is None else probes["layers"]
         x_BxLxD, stats = stack(s, name="layers")(x_BxLxD, layer_probes)

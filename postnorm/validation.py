@@ -5,11 +5,13 @@ Each failure raises ``ConfigError`` naming the field, its value and what is allo
 
 from collections.abc import Callable
 
+import jax
 import ml_collections
 
 from postnorm.data import check_data_config
 from postnorm.initializers import INIT_SCHEMES
-from postnorm.model import DTYPES, NORM_PLACEMENTS, POSITION_SCHEMES
+from postnorm.layers import ATTENTION_KERNELS
+from postnorm.model import DTYPES, NORM_PLACEMENTS, POSITION_SCHEMES, REMAT_POLICIES
 from postnorm.nonfinite import NONFINITE_POLICIES
 from postnorm.sharding import mesh_shape
 
@@ -58,6 +60,12 @@ def check_model(config: ml_collections.ConfigDict) -> None:
     _one_of(config, "model.positions", POSITION_SCHEMES)
     _one_of(config, "model.init", INIT_SCHEMES)
     _one_of(config, "model.dtype", tuple(DTYPES))
+    _one_of(config, "model.attention", ATTENTION_KERNELS)
+    _one_of(config, "model.remat", tuple(REMAT_POLICIES))
+    if config.model.attention == "cudnn" and config.model.dtype != "bfloat16":
+        raise ConfigError("model.attention='cudnn' needs model.dtype='bfloat16' (cuDNN attention "
+                          "has no float32 kernel); set model.dtype=bfloat16 or "
+                          "model.attention=xla")
     _require(config, "model.tie_embeddings", lambda v: isinstance(v, bool), "true or false")
     _require(config, "model.norm_eps", lambda v: _is_num(v) and 0 <= v < 1, "in [0, 1)")
     _require(config, "model.rope_base", lambda v: _is_num(v) and v > 1, "a number > 1")
@@ -134,10 +142,21 @@ def check_vocab_layout(config: ml_collections.ConfigDict, *, vocab_size: int,
             "mesh.tensor that divides it or a tokenizer whose vocabulary it divides")
 
 
+def check_backend(config: ml_collections.ConfigDict, *, platform: str) -> None:
+    """Fields that need a particular accelerator (``platform``: ``jax.default_backend()``)."""
+    if config.model.attention == "cudnn" and platform != "gpu":
+        raise ConfigError(f"model.attention='cudnn' needs a GPU, but JAX runs on {platform!r}; "
+                          "set model.attention=xla or einsum")
+
+
 def check_config(config: ml_collections.ConfigDict, *, device_count: int,
-                 process_count: int = 1) -> None:
-    """Validate every field the trainer reads (data fields: ``postnorm.data``)."""
+                 process_count: int = 1, platform: str | None = None) -> None:
+    """Validate every field the trainer reads (data fields: ``postnorm.data``).
+
+    ``platform`` defaults to the running JAX backend.
+    """
     check_model(config)
+    check_backend(config, platform=platform or jax.default_backend())
     check_opt(config)
     check_train(config)
     check_layout(config, device_count=device_count, process_count=process_count)

@@ -139,3 +139,40 @@ def test_attention_energy_on_identical_tokens_is_s():
         ratios.append(float(jnp.sum(out**2) / jnp.sum(x_1xNxD**2)))
     s = d**2 * kernel_variance("torch_default", d, d) ** 2
     np.testing.assert_allclose(np.mean(ratios), s, rtol=0.1)
+
+
+def _loss_and_grads(spec: ModelSpec, params, tokens):
+    def loss(p):
+        logits = Decoder(spec).apply({"params": p}, tokens[:, :-1])
+        return jnp.mean(jax.nn.logsumexp(logits, -1)
+                        - jnp.take_along_axis(logits, tokens[:, 1:, None], -1)[..., 0])
+    return jax.value_and_grad(loss)(params)
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+@pytest.mark.parametrize("variant", [dict(remat="dots"), dict(remat="dots_no_batch"),
+                                     dict(remat="full"), dict(attention="xla"),
+                                     dict(attention="xla", remat="dots")])
+def test_remat_and_attention_kernels_do_not_change_the_function(norm, variant):
+    """Every remat policy and attention kernel gives the plain model's loss and gradients."""
+    plain = ModelSpec(**{**TINY, "max_len": 11}, norm=norm)
+    params = init_params(plain)
+    tokens = jax.random.randint(jax.random.key(3), (2, 12), 0, 50)
+    loss, grads = _loss_and_grads(plain, params, tokens)
+    other_loss, other_grads = _loss_and_grads(ModelSpec(**{**TINY, "max_len": 11}, norm=norm,
+                                                        **variant), params, tokens)
+    np.testing.assert_allclose(other_loss, loss, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(other_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6 * float(jnp.abs(b).max()))
+
+
+def test_bfloat16_compute_keeps_float32_params_and_tracks_float32():
+    spec = ModelSpec(**TINY, dtype="bfloat16")
+    params = init_params(spec)
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+    tokens = jax.random.randint(jax.random.key(4), (2, 12), 0, 50)
+    logits_bf16 = Decoder(spec).apply({"params": params}, tokens)
+    logits_f32 = Decoder(ModelSpec(**TINY)).apply({"params": params}, tokens)
+    assert logits_bf16.dtype == jnp.float32
+    rel = float(jnp.linalg.norm(logits_bf16 - logits_f32) / jnp.linalg.norm(logits_f32))
+    assert 0 < rel < 0.05

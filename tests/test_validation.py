@@ -28,6 +28,9 @@ CASES = [
     ("model.positions", "alibi", r"must be one of \['rope', 'learned', 'none'\]"),
     ("model.init", "he", "model.init='he' is invalid: must be one of"),
     ("model.dtype", "float16", r"must be one of \['float32', 'bfloat16'\]"),
+    ("model.attention", "flash", r"must be one of \['einsum', 'xla', 'cudnn'\]"),
+    ("model.attention", "cudnn", "needs model.dtype='bfloat16'"),
+    ("model.remat", "some", r"must be one of \['none', 'dots', 'dots_no_batch', 'full'\]"),
     ("model.tie_embeddings", 1, "must be true or false"),
     ("model.norm_eps", 1.0, UNIT),
     ("model.rope_base", 1, "must be a number > 1"),
@@ -152,3 +155,11 @@ def _leaf_fields(config: ml_collections.ConfigDict, prefix: str = "") -> set[str
 def test_every_config_field_has_a_rule():
     covered = {field for field, _, _ in CASES} | set(DATA_FIELD_TESTS)
     assert _leaf_fields(base_config()) - covered == set()
+
+
+def test_cudnn_attention_needs_a_gpu():
+    config = _valid_config()
+    config.model.attention, config.model.dtype = "cudnn", "bfloat16"
+    with pytest.raises(ConfigError, match="model.attention='cudnn' needs a GPU, but JAX runs on"):
+        check_config(config, device_count=8, platform="cpu")
+    check_config(config, device_count=8, platform="gpu")

@@ -1,0 +1,188 @@
+"""Step time, throughput, MFU, compile time and memory of the model's programs.
+
+    python -m benchmarks.bench --config configs/default.py
+    python -m benchmarks.bench --config configs/paper.py:width12 --programs train
+    python -m benchmarks.bench --config configs/paper.py:data.batch_size=1 --programs forward
+    python -m benchmarks.bench --config configs/default.py --programs train \
+        --variant model.remat=none --variant model.remat=dots
+
+Programs (``--programs``, comma-separated):
+
+* ``train``: the jitted, guarded, donating train step the trainer runs;
+* ``diag``: the diagnostic step (the train step plus per-layer statistics);
+* ``forward``: the logits of one batch at initialisation (no gradient).
+
+Each program is compiled for the config's model on a random token batch of the config's shape
+(``--vocab_size`` defaults to ``data.vocab_size``). ``--variant`` (repeatable) applies config
+overrides to the config; every variant's programs then run side by side, and each program's
+time is also reported as a ratio to the first variant's.
+
+The machine's peak is measured in the same run: a square float32 matmul (``--peak_size``),
+called ``--peak_calls`` times back to back in each repeat, the fastest call counting for that
+repeat (the first calls after a long program run slower while threads wake). Repeats are
+interleaved (peak, then every program once), so every figure sees the same machine load; each
+timing ends with a device sync. Model FLOPs follow ``postnorm.flops``; MFU is the achieved
+model FLOP/s over the median peak. Memory: XLA's memory analysis of each compiled program, and
+the process's resident set (current, and lifetime peak including compilation). Prints JSON.
+"""
+
+import copy
+import json
+import resource
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import psutil
+from absl import app, flags
+from ml_collections import config_flags
+
+from postnorm.config_args import apply_arg
+from postnorm.flops import forward_flops_per_token, train_flops_per_token
+from postnorm.model import Decoder, ModelSpec
+from postnorm.optim import make_optimizer
+from postnorm.sharding import batch_sharding, make_mesh
+from postnorm.step_builder import compile_steps
+from postnorm.validation import check_config
+
+PROGRAMS = ("train", "diag", "forward")
+
+config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
+flags.DEFINE_list("programs", ["train", "diag"], f"Programs to time, from {list(PROGRAMS)}.")
+flags.DEFINE_multi_string("variant", [""], "Config overrides (a.b=v,c=d); repeat to compare.")
+flags.DEFINE_integer("repeats", 5, "Timed repeats of each program (after one warm-up).")
+flags.DEFINE_integer("vocab_size", 0, "Vocabulary size; 0: data.vocab_size.")
+flags.DEFINE_integer("peak_size", 2048, "Side of the square float32 matmul that measures peak.")
+flags.DEFINE_integer("peak_calls", 5, "Back-to-back peak matmuls per repeat; the fastest counts.")
+FLAGS = flags.FLAGS
+
+
+def memory_analysis(compiled) -> dict[str, int]:
+    """XLA's buffer sizes; the peak estimate counts arguments, outputs and temporaries once."""
+    a = compiled.memory_analysis()
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+              "temp_size_in_bytes")
+    out = {f: int(getattr(a, f)) for f in fields}
+    out["peak_estimate_bytes"] = (out["argument_size_in_bytes"] + out["output_size_in_bytes"]
+                                  - out["alias_size_in_bytes"] + out["temp_size_in_bytes"])
+    return out
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - start
+
+
+class Program:
+    """One compiled program, the arguments it runs on, and its model FLOPs per call."""
+
+    def __init__(self, jitted, args: tuple, flops: int, carries_state: bool):
+        start = time.perf_counter()
+        self.compiled = jitted.lower(*args).compile()
+        self.compile_s = time.perf_counter() - start  # tracing, lowering and XLA compilation
+        self.args, self.flops, self.carries_state = args, flops, carries_state
+        self.times: list[float] = []
+
+    def run(self) -> None:
+        """Time one call; a step's new state replaces the donated old one."""
+        result = None
+
+        def call():
+            nonlocal result
+            result = self.compiled(*self.args)
+            return result
+
+        self.times.append(timed(call))
+        if self.carries_state:
+            self.args = (result[0],) + self.args[1:]
+
+
+def build_programs(config: ml_collections.ConfigDict,
+                   names: list[str]) -> tuple[dict[str, Program], dict]:
+    """The programs in ``names`` order, and a description of the model and batch."""
+    vocab = FLAGS.vocab_size or config.data.vocab_size
+    seq_len, batch_size = config.data.seq_len, config.data.batch_size
+    spec = ModelSpec.from_config(config.model, vocab_size=vocab, max_len=seq_len)
+    mesh = make_mesh(config.mesh)
+    tokens = np.random.default_rng(0).integers(0, vocab, (batch_size, seq_len + 1), np.int32)
+    batch = {k: jax.device_put(v, batch_sharding(mesh))
+             for k, v in (("inputs", tokens[:, :-1]), ("targets", tokens[:, 1:]))}
+    n_tokens = batch_size * seq_len
+    programs = {}
+    if {"train", "diag"} & set(names):
+        tx, schedule = make_optimizer(config.opt, config.train.steps)
+        steps = compile_steps(spec, tx, schedule, mesh)
+        for name in {"train", "diag"} & set(names):
+            programs[name] = Program(getattr(steps, name), (steps.init(config.seed), batch),
+                                     train_flops_per_token(spec, seq_len) * n_tokens, True)
+    if "forward" in names:
+        model = Decoder(spec)
+        params = jax.jit(lambda key: model.init(key, batch["inputs"])["params"])(
+            jax.random.key(config.seed))
+        programs["forward"] = Program(jax.jit(lambda p, x: model.apply({"params": p}, x)),
+                                      (params, batch["inputs"]),
+                                      forward_flops_per_token(spec, seq_len) * n_tokens, False)
+    model_info = {"n_layers": spec.n_layers, "d_model": spec.d_model, "d_ff": spec.d_ff,
+                  "n_heads": spec.n_heads, "vocab_size": vocab, "seq_len": seq_len,
+                  "batch_size": batch_size, "norm": spec.norm, "dtype": spec.dtype,
+                  "attention": spec.attention, "remat": spec.remat,
+                  "tokens_per_call": n_tokens}
+    return {n: programs[n] for n in names}, model_info
+
+
+def main(_):
+    unknown = sorted(set(FLAGS.programs) - set(PROGRAMS))
+    if unknown:
+        raise app.UsageError(f"--programs: unknown {unknown}; choose from {list(PROGRAMS)}")
+    variants, models = {}, {}
+    for overrides in FLAGS.variant:
+        config = apply_arg(copy.deepcopy(FLAGS.config), overrides, {})
+        check_config(config, device_count=jax.device_count())
+        variants[overrides], models[overrides] = build_programs(config, FLAGS.programs)
+
+    n = FLAGS.peak_size
+    a_NxN = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    matmul = jax.jit(lambda x: x @ x).lower(a_NxN).compile()
+    all_programs = [p for programs in variants.values() for p in programs.values()]
+    for program in all_programs:  # warm-up
+        program.run()
+        program.times.clear()
+    peak_times = []
+    for _ in range(FLAGS.repeats):
+        peak_times.append(min(timed(lambda: matmul(a_NxN)) for _ in range(FLAGS.peak_calls)))
+        for program in all_programs:
+            program.run()
+
+    peak_flops_s = 2 * n**3 / statistics.median(peak_times)
+    first = next(iter(variants.values()))
+    results = {}
+    for overrides, programs in variants.items():
+        tokens = models[overrides]["tokens_per_call"]
+        results[overrides] = {"model": models[overrides], "programs": {}}
+        for name, program in programs.items():
+            median = statistics.median(program.times)
+            achieved = program.flops / median
+            results[overrides]["programs"][name] = {
+                "median_s": median, "min_s": min(program.times), "max_s": max(program.times),
+                "time_vs_first_variant": median / statistics.median(first[name].times),
+                "tokens_per_s": tokens / median, "model_gflop": program.flops / 1e9,
+                "achieved_gflop_s": achieved / 1e9, "mfu": achieved / peak_flops_s,
+                "compile_s": program.compile_s, "memory": memory_analysis(program.compiled)}
+    print(json.dumps({
+        "platform": jax.default_backend(), "devices": jax.device_count(),
+        "repeats": FLAGS.repeats,
+        "peak": {"matmul_size": n, "median_s": statistics.median(peak_times),
+                 "gflop_s": peak_flops_s / 1e9},
+        "variants": results,
+        "rss_bytes": psutil.Process().memory_info().rss,
+        "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    app.run(main)
