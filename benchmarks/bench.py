@@ -17,12 +17,14 @@ Each program is compiled for the config's model on a random token batch of the c
 overrides to the config; every variant's programs then run side by side, and each program's
 time is also reported as a ratio to the first variant's.
 
-The machine's peak is measured in the same run: a square float32 matmul (``--peak_size``),
+The machine's peak is measured in the same run: a square matmul (``--peak_size``, in
+``--peak_dtype``: float32 on CPU, bfloat16 for an accelerator's tensor cores),
 called ``--peak_calls`` times back to back in each repeat, the fastest call counting for that
 repeat (the first calls after a long program run slower while threads wake). Repeats are
 interleaved (peak, then every program once), so every figure sees the same machine load; each
 timing ends with a device sync. Model FLOPs follow ``postnorm.flops``; MFU is the achieved
-model FLOP/s over the median peak. Memory: XLA's memory analysis of each compiled program, and
+model FLOP/s over the median measured peak (and, with ``--nominal_peak_tflops``, also over a
+datasheet peak). Memory: XLA's memory analysis of each compiled program, and
 the process's resident set (current, and lifetime peak including compilation). Prints JSON.
 """
 
@@ -47,7 +49,7 @@ from postnorm.model import Decoder, ModelSpec
 from postnorm.optim import make_optimizer
 from postnorm.sharding import batch_sharding, make_mesh
 from postnorm.step_builder import compile_steps
-from postnorm.validation import check_config
+from postnorm.validation import check_backend, check_layout, check_model, check_opt
 
 PROGRAMS = ("train", "diag", "forward")
 
@@ -58,6 +60,8 @@ flags.DEFINE_integer("repeats", 5, "Timed repeats of each program (after one war
 flags.DEFINE_integer("vocab_size", 0, "Vocabulary size; 0: data.vocab_size.")
 flags.DEFINE_integer("peak_size", 2048, "Side of the square float32 matmul that measures peak.")
 flags.DEFINE_integer("peak_calls", 5, "Back-to-back peak matmuls per repeat; the fastest counts.")
+flags.DEFINE_enum("peak_dtype", "float32", ["float32", "bfloat16"], "Dtype of the peak matmul.")
+flags.DEFINE_float("nominal_peak_tflops", 0.0, "Datasheet peak, TFLOP/s; 0: not reported.")
 FLAGS = flags.FLAGS
 
 
@@ -70,6 +74,15 @@ def memory_analysis(compiled) -> dict[str, int]:
     out["peak_estimate_bytes"] = (out["argument_size_in_bytes"] + out["output_size_in_bytes"]
                                   - out["alias_size_in_bytes"] + out["temp_size_in_bytes"])
     return out
+
+
+def device_memory() -> dict[str, int] | None:
+    """The first device's allocator statistics (accelerators; ``None`` on CPU)."""
+    stats = jax.devices()[0].memory_stats()
+    if not stats:
+        return None
+    keys = ("peak_bytes_in_use", "bytes_in_use", "bytes_limit")
+    return {k: int(stats[k]) for k in keys if k in stats}
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -142,11 +155,14 @@ def main(_):
     variants, models = {}, {}
     for overrides in FLAGS.variant:
         config = apply_arg(copy.deepcopy(FLAGS.config), overrides, {})
-        check_config(config, device_count=jax.device_count())
+        check_model(config)  # the data fields are not read: the batches are random tokens
+        check_opt(config)
+        check_layout(config, device_count=jax.device_count(), process_count=1)
+        check_backend(config, platform=jax.default_backend())
         variants[overrides], models[overrides] = build_programs(config, FLAGS.programs)
 
     n = FLAGS.peak_size
-    a_NxN = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    a_NxN = jax.random.normal(jax.random.key(1), (n, n), jnp.dtype(FLAGS.peak_dtype))
     matmul = jax.jit(lambda x: x @ x).lower(a_NxN).compile()
     all_programs = [p for programs in variants.values() for p in programs.values()]
     for program in all_programs:  # warm-up
@@ -173,14 +189,18 @@ def main(_):
                 "tokens_per_s": tokens / median, "model_gflop": program.flops / 1e9,
                 "achieved_gflop_s": achieved / 1e9, "mfu": achieved / peak_flops_s,
                 "compile_s": program.compile_s, "memory": memory_analysis(program.compiled)}
+            if FLAGS.nominal_peak_tflops:
+                results[overrides]["programs"][name]["mfu_vs_nominal"] = (
+                    achieved / (FLAGS.nominal_peak_tflops * 1e12))
     print(json.dumps({
         "platform": jax.default_backend(), "devices": jax.device_count(),
         "repeats": FLAGS.repeats,
-        "peak": {"matmul_size": n, "median_s": statistics.median(peak_times),
-                 "gflop_s": peak_flops_s / 1e9},
+        "peak": {"matmul_size": n, "dtype": FLAGS.peak_dtype,
+                 "median_s": statistics.median(peak_times), "gflop_s": peak_flops_s / 1e9},
         "variants": results,
         "rss_bytes": psutil.Process().memory_info().rss,
         "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "device_memory": device_memory(),
     }, indent=2))
 
 

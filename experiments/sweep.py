@@ -1,13 +1,14 @@
 """Run a sweep (``configs/sweeps/*.py``) sequentially and resumably; tabulate and map the results.
 
     python -m experiments.sweep --sweep configs/sweeps/stability.py --out_dir DIR [--shard i/n]
-        [--override key=value ...] [--report_only]
+        [--workers N] [--override key=value ...] [--report_only]
 
 Each run trains into ``DIR/<run id>`` via ``postnorm.run_record.run_once``: finished runs are
 skipped, partial ones resume from their latest checkpoint, a run stopped by a non-finite step is
 recorded as ``nonfinite`` (a diverged cell of the map). ``--shard i/n`` runs every n-th run of the
-plan starting at i, so n hosts sharing DIR split the sweep; every invocation then rewrites the
-table and the map from all finished runs found in DIR:
+plan starting at i, so n hosts sharing DIR split the sweep; ``--workers N`` trains a shard's runs
+in N processes pinned to disjoint CPU sets of the host (``postnorm.workers``). Every invocation
+then rewrites the table and the map from all finished runs found in DIR:
 
 * ``summary.json`` / ``summary.md``: per run the status, final train loss (mean of the last three
   logged steps), L_freq, collapsed yes/no and collapse step (``postnorm.collapse``);
@@ -17,15 +18,16 @@ table and the map from all finished runs found in DIR:
 
 import json
 import os
-import time
 
 import matplotlib
 import numpy as np
 from absl import app, flags, logging
 
+from postnorm.data import load_data
 from postnorm.data.files import write_json_atomic
-from postnorm.run_record import is_finished, read_result, run_once
+from postnorm.run_record import is_finished, read_result, run_logged
 from postnorm.sweep import RunSpec, build_config, parse_shard, plan_file, shard
+from postnorm.workers import run_pinned
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -35,6 +37,7 @@ flags.DEFINE_string("out_dir", None, "Directory for the runs, the table and the 
 flags.DEFINE_string("shard", "0/1", "i/n: run every n-th run of the plan, starting at i.")
 flags.DEFINE_list("override", [], "key=value overrides applied to every run after the sweep's.")
 flags.DEFINE_bool("report_only", False, "Only rewrite the table and map from finished runs.")
+flags.DEFINE_integer("workers", 1, "Train this shard's runs in this many CPU-pinned processes.")
 FLAGS = flags.FLAGS
 
 MAP_AXES = ("model.n_layers", "opt.lr", "model.norm")  # rows, columns, panels
@@ -109,18 +112,20 @@ def stability_map(rows: list[dict], path: str, axes: tuple[str, str, str] = MAP_
 
 
 def run_sweep(base_config: str, specs: list[RunSpec], out_dir: str,
-              extra: dict[str, str]) -> None:
-    """Train (or skip) every run of ``specs`` in order."""
+              extra: dict[str, str], workers: int = 1) -> None:
+    """Train (or skip) every run of ``specs``: in order, or in ``workers`` pinned processes."""
+    jobs = []
     for number, spec in enumerate(specs, 1):
         config = build_config(base_config, spec, extra)
         workdir = os.path.join(out_dir, spec.run_id)
+        label = f"run {number}/{len(specs)} {spec.run_id}"
         if is_finished(workdir, config):
-            logging.info("run %d/%d %s: already finished", number, len(specs), spec.run_id)
-            continue
-        start = time.perf_counter()
-        result = run_once(config, workdir)
-        logging.info("run %d/%d %s: %s, %.0f s", number, len(specs), spec.run_id,
-                     result["status"], time.perf_counter() - start)
+            logging.info("%s: already finished", label)
+        else:
+            jobs.append((config, workdir, label))
+    if jobs and workers > 1:
+        load_data(jobs[0][0].data, seed=jobs[0][0].seed)  # build the shared caches once
+    run_pinned(run_logged, jobs, workers)
 
 
 def write_summary(specs: list[RunSpec], out_dir: str) -> list[dict]:
@@ -146,7 +151,7 @@ def main(argv: list[str]) -> None:
     extra = dict(item.split("=", 1) for item in FLAGS.override)
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     if not FLAGS.report_only:
-        run_sweep(base_config, shard(specs, index, count), FLAGS.out_dir, extra)
+        run_sweep(base_config, shard(specs, index, count), FLAGS.out_dir, extra, FLAGS.workers)
     rows = write_summary(specs, FLAGS.out_dir)
     print(json.dumps(rows, indent=1))
 

@@ -5,8 +5,11 @@ Matrices are stored ``[fan_in, fan_out]`` with logical axis names for sharding:
 Reductions (norm statistics, softmax) run in float32 whatever the compute dtype.
 
 Attention kernels (``model.attention``): ``einsum`` materialises the softmax probabilities
-(the diagnostic step always uses it, since its statistics read them); ``xla`` and ``cudnn`` call
-``jax.nn.dot_product_attention`` with that implementation (``cudnn``: GPU, bfloat16).
+(the diagnostic step always uses it, since its statistics read them); ``blocked`` computes them
+one block of ``model.attention_block`` query rows at a time against only the keys that block can
+see, skipping the masked upper triangle of blocks (about half the work at n >> block); ``xla``
+and ``cudnn`` call ``jax.nn.dot_product_attention`` with that implementation (``cudnn``: GPU,
+bfloat16).
 """
 
 import flax.linen as nn
@@ -16,7 +19,7 @@ import jax.numpy as jnp
 from postnorm.diagnostics import attention_stats
 from postnorm.initializers import kernel_init
 
-ATTENTION_KERNELS = ("einsum", "xla", "cudnn")
+ATTENTION_KERNELS = ("einsum", "blocked", "xla", "cudnn")
 
 
 def dense_kernel(module: nn.Module, name: str, shape: tuple[int, int], axes: tuple[str, str],
@@ -54,15 +57,33 @@ def rotary_embedding(x_BxLxHxK: jax.Array, base: float) -> jax.Array:
     return rotated.astype(x_BxLxHxK.dtype)
 
 
-def causal_attention_weights(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array) -> jax.Array:
-    """Softmax(q k^T / sqrt(K)) with a causal mask, in float32: [B, H, L, L]."""
+def causal_attention_weights(q_BxLxHxK: jax.Array, k_BxMxHxK: jax.Array,
+                             query_offset: int = 0) -> jax.Array:
+    """Softmax(q k^T / sqrt(K)) with a causal mask, in float32: [B, H, L, M].
+
+    Query row l sits at position ``query_offset + l``, key column m at position m.
+    """
     head_dim = q_BxLxHxK.shape[-1]
-    logits_BxHxLxL = jnp.einsum("blhk,bmhk->bhlm", q_BxLxHxK, k_BxLxHxK,
+    logits_BxHxLxM = jnp.einsum("blhk,bmhk->bhlm", q_BxLxHxK, k_BxMxHxK,
                                 preferred_element_type=jnp.float32) / jnp.sqrt(head_dim)
+    queries, keys = q_BxLxHxK.shape[1], k_BxMxHxK.shape[1]
+    causal_LxM = jnp.tril(jnp.ones((queries, keys), dtype=bool), k=query_offset)
+    logits_BxHxLxM = jnp.where(causal_LxM, logits_BxHxLxM, jnp.finfo(jnp.float32).min)
+    return jax.nn.softmax(logits_BxHxLxM, axis=-1)
+
+
+def blocked_causal_attention(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax.Array,
+                             block: int) -> jax.Array:
+    """Causal attention by blocks of ``block`` query rows; block i reads keys [0, end_i) only."""
     length = q_BxLxHxK.shape[1]
-    causal_LxL = jnp.tril(jnp.ones((length, length), dtype=bool))
-    logits_BxHxLxL = jnp.where(causal_LxL, logits_BxHxLxL, jnp.finfo(jnp.float32).min)
-    return jax.nn.softmax(logits_BxHxLxL, axis=-1)
+    outs = []
+    for start in range(0, length, block):
+        end = min(start + block, length)
+        probs_BxHxLxM = causal_attention_weights(q_BxLxHxK[:, start:end], k_BxLxHxK[:, :end],
+                                                 query_offset=start)
+        outs.append(jnp.einsum("bhlm,bmhk->blhk", probs_BxHxLxM.astype(v_BxLxHxK.dtype),
+                               v_BxLxHxK[:, :end]))
+    return jnp.concatenate(outs, axis=1)
 
 
 class CausalSelfAttention(nn.Module):
@@ -74,6 +95,7 @@ class CausalSelfAttention(nn.Module):
     rope_base: float
     dtype: jnp.dtype
     kernel: str = "einsum"
+    block: int = 128
     collect_stats: bool = False
 
     @nn.compact
@@ -95,6 +117,8 @@ class CausalSelfAttention(nn.Module):
             probs_BxHxLxL = causal_attention_weights(q_BxLxHxK, k_BxLxHxK)
             out_BxLxHxK = jnp.einsum("bhlm,bmhk->blhk", probs_BxHxLxL.astype(self.dtype),
                                      v_BxLxHxK)
+        elif self.kernel == "blocked":
+            out_BxLxHxK = blocked_causal_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, self.block)
         else:
             out_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK,
                                                        is_causal=True,

@@ -10,8 +10,11 @@ Parameters of the layer stack carry a leading ``[n_layers]`` axis (logical name 
 
 ``model.remat`` picks what the backward pass keeps of each layer's forward (``REMAT_POLICIES``):
 ``none`` keeps every intermediate; ``dots`` keeps matmul outputs and recomputes elementwise
-work; ``dots_no_batch`` also recomputes the attention scores and probabilities (the
-[B, H, n, n] arrays); ``full`` keeps only the layer input.
+work; ``dots_no_batch`` keeps only
+matmul outputs without batch dimensions, so it also recomputes the attention scores and
+probabilities (the [B, H, n, n] arrays); ``full`` keeps only the layer input.
+``model.scan_unroll`` layers are unrolled per iteration of the layer loop (compile time grows
+with it).
 """
 
 import dataclasses
@@ -55,7 +58,9 @@ class ModelSpec:
     rope_base: float = 10000.0
     dtype: str = "float32"
     attention: str = "einsum"
+    attention_block: int = 128
     remat: str = "none"
+    scan_unroll: int = 1
 
     @classmethod
     def from_config(cls, model_cfg: ml_collections.ConfigDict, *, vocab_size: int,
@@ -81,7 +86,8 @@ class Block(nn.Module):
         dtype = DTYPES[s.dtype]
         diag = probes_2xS is not None
         attn = CausalSelfAttention(s.n_heads, s.init, s.positions, s.rope_base, dtype,
-                                   kernel=s.attention, collect_stats=diag, name="attn")
+                                   kernel=s.attention, block=s.attention_block,
+                                   collect_stats=diag, name="attn")
         ffn = SwiGLU(s.d_ff, s.init, dtype, name="ffn")
         stats = {}
         for index, (kind, sublayer) in enumerate((("attn", attn), ("ffn", ffn))):
@@ -134,7 +140,8 @@ class Decoder(nn.Module):
         if s.remat != "none":
             block = nn.remat(Block, prevent_cse=False, policy=REMAT_POLICIES[s.remat])
         stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                        length=s.n_layers, metadata_params={nn.PARTITION_NAME: "layers"})
+                        length=s.n_layers, unroll=s.scan_unroll,
+                        metadata_params={nn.PARTITION_NAME: "layers"})
         layer_probes = None if probes is None else probes["layers"]
         x_BxLxD, stats = stack(s, name="layers")(x_BxLxD, layer_probes)
         if probes is not None:  # the residual stream leaving the last layer

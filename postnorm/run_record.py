@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 import ml_collections
+from absl import logging
 
 from postnorm.collapse import DEFAULT_RULE, CollapseRule, detect_collapse
 from postnorm.data.files import write_json_atomic
@@ -126,3 +127,11 @@ def run_once(config: ml_collections.ConfigDict, workdir: str, *,
         result["workdir"] = os.path.abspath(workdir)
     write_json_atomic(os.path.join(workdir, RESULT_NAME), result)
     return result
+
+
+def run_logged(config: ml_collections.ConfigDict, workdir: str, label: str) -> str:
+    """``run_once``, then a log line with ``label``, the run's status and its wall time."""
+    start = time.perf_counter()
+    result = run_once(config, workdir)
+    logging.info("%s: %s, %.0f s", label, result["status"], time.perf_counter() - start)
+    return result["status"]

@@ -61,6 +61,8 @@ def check_model(config: ml_collections.ConfigDict) -> None:
     _one_of(config, "model.init", INIT_SCHEMES)
     _one_of(config, "model.dtype", tuple(DTYPES))
     _one_of(config, "model.attention", ATTENTION_KERNELS)
+    _positive_int(config, "model.attention_block")
+    _positive_int(config, "model.scan_unroll")
     _one_of(config, "model.remat", tuple(REMAT_POLICIES))
     if config.model.attention == "cudnn" and config.model.dtype != "bfloat16":
         raise ConfigError("model.attention='cudnn' needs model.dtype='bfloat16' (cuDNN attention "

@@ -152,9 +152,12 @@ def _loss_and_grads(spec: ModelSpec, params, tokens):
 @pytest.mark.parametrize("norm", ["post", "pre"])
 @pytest.mark.parametrize("variant", [dict(remat="dots"), dict(remat="dots_no_batch"),
                                      dict(remat="full"), dict(attention="xla"),
+                                     dict(attention="blocked", attention_block=3),
+                                     dict(attention="blocked", attention_block=4, remat="full"),
+                                     dict(scan_unroll=3), dict(scan_unroll=2, remat="dots"),
                                      dict(attention="xla", remat="dots")])
-def test_remat_and_attention_kernels_do_not_change_the_function(norm, variant):
-    """Every remat policy and attention kernel gives the plain model's loss and gradients."""
+def test_remat_attention_kernels_and_unrolling_do_not_change_the_function(norm, variant):
+    """Every remat policy, attention kernel and unroll gives the plain model's loss and grads."""
     plain = ModelSpec(**{**TINY, "max_len": 11}, norm=norm)
     params = init_params(plain)
     tokens = jax.random.randint(jax.random.key(3), (2, 12), 0, 50)

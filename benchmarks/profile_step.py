@@ -1,0 +1,106 @@
+"""Where a train step's time goes: one profiled step, its XLA ops grouped by model part.
+
+    python -m benchmarks.profile_step --config configs/default.py
+    taskset -c 0 python -m benchmarks.profile_step --config configs/default.py
+
+Compiles the train step for the config's model on random tokens, runs two warm-up steps, then
+traces one step with ``jax.profiler`` (a Perfetto trace in ``--trace_dir``). Each XLA op of the
+trace is mapped through the compiled HLO's ``op_name`` metadata to a part (attention
+projections, attention core = scores/softmax/PV, FFN, norms, LM head and loss, optimizer),
+a pass (forward or backward) and a kind (matmul or other). Prints JSON: the step's wall time
+and the summed op time per group, largest first. With more than one core, ops overlap, so the
+sums can exceed the wall time; pinned to one core (``taskset -c 0``) they add up to it.
+"""
+
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import tempfile
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+from postnorm.model import ModelSpec
+from postnorm.optim import make_optimizer
+from postnorm.sharding import batch_sharding, make_mesh
+from postnorm.step_builder import compile_steps
+
+config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
+flags.DEFINE_string("trace_dir", "", "Where the trace goes; empty: a temporary directory.")
+FLAGS = flags.FLAGS
+
+ATTENTION_CORE = re.compile(r"bhlm|blhk|softmax|reduce_max|reduce_sum|exp|select|div|sub")
+
+
+def op_group(op_name: str, hlo_name: str) -> tuple[str, str, str]:
+    """(part, pass, kind) of one op from its ``op_name`` metadata."""
+    direction = "backward" if "transpose(" in op_name else "forward"
+    kind = "matmul" if ("dot_general" in op_name or hlo_name.startswith("dot")) else "other"
+    parts = [p for p in op_name.split("/")
+             if p in ("attn", "ffn", "norm_attn", "norm_ffn", "Decoder.logits")]
+    if parts:
+        part = parts[-1]
+        if part == "attn" and ATTENTION_CORE.search(op_name):
+            part = "attn_core"
+    elif "Decoder" in op_name:
+        part = "decoder_other"  # embedding, scan bookkeeping
+    elif "jvp" in op_name:
+        part = "loss"
+    else:
+        part = "optimizer_and_guard"
+    return part, direction, kind
+
+
+def main(_):
+    config = FLAGS.config
+    spec = ModelSpec.from_config(config.model, vocab_size=config.data.vocab_size,
+                                 max_len=config.data.seq_len)
+    mesh = make_mesh(config.mesh)
+    tx, schedule = make_optimizer(config.opt, config.train.steps)
+    steps = compile_steps(spec, tx, schedule, mesh)
+    tokens = np.random.default_rng(0).integers(
+        0, spec.vocab_size, (config.data.batch_size, config.data.seq_len + 1), np.int32)
+    batch = {k: jax.device_put(v, batch_sharding(mesh))
+             for k, v in (("inputs", tokens[:, :-1]), ("targets", tokens[:, 1:]))}
+    state = steps.init(config.seed)
+    compiled = steps.train.lower(state, batch).compile()
+    op_names = dict(re.findall(r'^\s+%([\w.\-]+) = .*?op_name="([^"]*)"', compiled.as_text(),
+                               re.M))
+    for _ in range(2):
+        state, _ = compiled(state, batch)
+    jax.block_until_ready(state)
+
+    trace_dir = FLAGS.trace_dir or tempfile.mkdtemp(prefix="postnorm_profile_")
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        start = time.perf_counter()
+        state, _ = compiled(state, batch)
+        jax.block_until_ready(state)
+        wall = time.perf_counter() - start
+    path = max(glob.glob(os.path.join(trace_dir, "**", "*perfetto_trace.json.gz"),
+                         recursive=True), key=os.path.getmtime)
+    with gzip.open(path) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    totals = collections.Counter()
+    for event in events:
+        if event.get("ph") == "X" and event["name"] in op_names:
+            if op_names[event["name"]].endswith("/while"):
+                continue  # the loop op spans its body's ops
+            totals["/".join(op_group(op_names[event["name"]], event["name"]))] += event["dur"]
+    summed = sum(totals.values())
+    print(json.dumps({
+        "step_wall_s": wall, "summed_op_s": summed / 1e6, "trace": path,
+        "cpus": len(os.sched_getaffinity(0)),
+        "groups_s": {k: round(v / 1e6, 4) for k, v in totals.most_common()},
+        "groups_share": {k: round(v / summed, 4) for k, v in totals.most_common()},
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    app.run(main)
