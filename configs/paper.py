@@ -48,14 +48,20 @@ def base_config() -> ml_collections.ConfigDict:
     return c
 
 
-def _runlocal(c: ml_collections.ConfigDict) -> None:
-    c.model.n_layers = 4
+def _on_cpu(c: ml_collections.ConfigDict, *, n_layers: int, seq_len: int,
+            batch_size: int) -> None:
+    """The paper's width, shrunk in depth, length and batch, on the embedded corpus."""
+    c.model.n_layers = n_layers
     c.data.source = "embedded"
     c.data.tokenizer_path = ""
     c.data.vocab_size = 8192
     c.data.lfreq_sample_docs = 0
-    c.data.seq_len = 128
-    c.data.batch_size = 4
+    c.data.seq_len = seq_len
+    c.data.batch_size = batch_size
+
+
+def _runlocal(c: ml_collections.ConfigDict) -> None:
+    _on_cpu(c, n_layers=4, seq_len=128, batch_size=4)
     c.opt.warmup_steps = 2
     c.train.steps = 5
     c.train.log_every = 1
@@ -66,14 +72,8 @@ def _runlocal(c: ml_collections.ConfigDict) -> None:
 
 
 def _width12(c: ml_collections.ConfigDict) -> None:
-    """The paper's width on the embedded corpus at CPU size: 12 layers, n=512, batch 8."""
-    c.model.n_layers = 12
-    c.data.source = "embedded"
-    c.data.tokenizer_path = ""
-    c.data.vocab_size = 8192
-    c.data.lfreq_sample_docs = 0
-    c.data.seq_len = 512
-    c.data.batch_size = 8
+    """The CPU performance target: 12 layers, n=512, batch 8."""
+    _on_cpu(c, n_layers=12, seq_len=512, batch_size=8)
 
 
 VARIANTS = {**default.VARIANTS, "runlocal": _runlocal, "width12": _width12}
