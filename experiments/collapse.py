@@ -33,7 +33,6 @@ from postnorm.collapse import Collapse, detect_collapse
 from postnorm.collapse_plots import plot_loss_runs, render_collapse_figures
 from postnorm.data import load_data
 from postnorm.data.files import write_json_atomic
-from postnorm.data.lfreq import unigram_entropy
 from postnorm.plots import read_metrics
 from postnorm.run_record import run_once
 from postnorm.workers import run_pinned
@@ -59,27 +58,7 @@ def run_config(base: ml_collections.ConfigDict, norm: str, seed: int,
     return config
 
 
-def corpus_counts(config: ml_collections.ConfigDict, workdir: str, out_dir: str) -> np.ndarray:
-    """Corpus target counts, cached in ``out_dir`` under the dataset fingerprint; their entropy
-    must equal the run's logged L_freq."""
-    with open(os.path.join(workdir, "data_info.json")) as f:
-        info = json.load(f)
-    path = os.path.join(out_dir, f"unigram_counts_{info['fingerprint'][:16]}.npy")
-    if os.path.exists(path):
-        return np.load(path)
-    start = time.perf_counter()
-    counts_V = collapsed_net.corpus_unigram_counts(config.data)
-    entropy = unigram_entropy(counts_V)
-    if not np.isclose(entropy, info["lfreq"], rtol=1e-6):
-        raise ValueError(f"corpus counts give L_freq {entropy:.6f}, the run logged "
-                         f"{info['lfreq']:.6f}: the counts are not of the training targets")
-    np.save(path, counts_V)
-    logging.info("corpus unigram counts: %d tokens in %.1f s", counts_V.sum(),
-                 time.perf_counter() - start)
-    return counts_V
-
-
-def thm38(config: ml_collections.ConfigDict, workdir: str, out_dir: str) -> dict:
+def thm38(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """The run's Thm 3.8 record, measured once per final checkpoint."""
     path = os.path.join(workdir, THM38_NAME)
     if os.path.exists(path):
@@ -88,7 +67,7 @@ def thm38(config: ml_collections.ConfigDict, workdir: str, out_dir: str) -> dict
         if cached["checkpoint_step"] == config.train.steps:
             return cached
     start = time.perf_counter()
-    result = collapsed_net.measure_run(config, workdir, corpus_counts(config, workdir, out_dir))
+    result = collapsed_net.measure_run(config, workdir)
     result["wall_s"] = time.perf_counter() - start
     write_json_atomic(path, result)
     return result
@@ -108,6 +87,9 @@ def run_row(name: str, result: dict, collapse: Collapse | None) -> dict:
         "run": name, "status": result["status"],
         "final_train_loss": result.get("final_train_loss"), "lfreq": result.get("lfreq"),
         "loss_over_lfreq": result.get("train_loss_over_lfreq"),
+        "final_train_floor": result.get("final_train_floor"),
+        "loss_over_floor": result.get("train_loss_over_floor"),
+        "eval_loss_over_floor": result.get("eval_loss_over_floor"),
         "collapsed": bool(collapse and collapse.collapsed),
         "collapse_step": collapse.collapse_step if collapse else None,
         "window": collapse.window if collapse else None,
@@ -138,14 +120,17 @@ def thm38_row(name: str, record: dict) -> dict:
 
 
 def markdown(rows: list[dict], thm_rows: list[dict], wall: dict) -> str:
-    lines = ["| run | final train loss | L_freq | loss/L_freq | collapsed | collapse step | "
+    lines = ["| run | final train loss | L_freq | loss/L_freq | floor of those batches | "
+             "loss/floor | eval loss/floor | collapsed | collapse step | "
              "window | half the layers at tsim ≥ 0.99 | grad ratio across window, layers 0-3 | "
              "last layer | grad step 1/last, layers 0-3 | last layer | train wall s |",
-             "|" + "---|" * 13]
+             "|" + "---|" * 16]
     for r in rows:
         lines.append("| " + " | ".join(_fmt(v, spec) for v, spec in (
             (r["run"], ""), (r["final_train_loss"], ".4f"), (r["lfreq"], ".4f"),
-            (r["loss_over_lfreq"], ".3f"), ("yes" if r["collapsed"] else "no", ""),
+            (r["loss_over_lfreq"], ".3f"), (r["final_train_floor"], ".4f"),
+            (r["loss_over_floor"], ".3f"), (r["eval_loss_over_floor"], ".3f"),
+            ("yes" if r["collapsed"] else "no", ""),
             (r["collapse_step"], ""), (r["window"], "d"), (r["similar_layers_step"], ""),
             (r["grad_ratio_early"], ".3g"),
             (r["grad_ratio_last"], ".3g"), (r["grad_first_over_last_early"], ".3g"),
@@ -191,7 +176,7 @@ def main(argv: list[str]) -> None:
         render_collapse_figures(records, collapse, fig_dir, prefix=f"{name}_")
         rows.append(run_row(name, result, collapse))
         if FLAGS.thm38 and result["status"] == "done":
-            thm_rows.append(thm38_row(name, thm38(config, workdir, out_dir)))
+            thm_rows.append(thm38_row(name, thm38(config, workdir)))
         logging.info("%s: %s", name, json.dumps(rows[-1]))
     plot_loss_runs(all_records, os.path.join(fig_dir, "loss_vs_lfreq.png"))
     wall = {"invocation_s": time.perf_counter() - start,
@@ -200,7 +185,8 @@ def main(argv: list[str]) -> None:
         "runs": len(sel), "collapsed": sum(r["collapsed"] for r in sel),
         "loss_over_lfreq_mean": float(np.mean([r["loss_over_lfreq"] for r in sel])),
         "loss_over_lfreq_sd": float(np.std([r["loss_over_lfreq"] for r in sel], ddof=1))
-        if len(sel) > 1 else 0.0}
+        if len(sel) > 1 else 0.0,
+        "loss_over_floor": [r["loss_over_floor"] for r in sel]}
         for norm in FLAGS.norms
         if (sel := [r for r in rows if r["run"].startswith(norm + "_")
                     and r["loss_over_lfreq"] is not None])}

@@ -51,6 +51,7 @@ def table_row(spec: RunSpec, result: dict | None) -> dict:
     collapse = result.get("collapse") or {}
     row.update(status=result["status"], final_train_loss=result.get("final_train_loss"),
                lfreq=result.get("lfreq"), loss_over_lfreq=result.get("train_loss_over_lfreq"),
+               loss_over_floor=result.get("train_loss_over_floor"),
                collapsed=collapse.get("collapsed"), collapse_step=collapse.get("collapse_step"),
                wall_s=result.get("wall_s"))
     return row
@@ -64,7 +65,8 @@ def markdown(rows: list[dict], keys: list[str]) -> str:
             return "yes" if value else "no"
         return f"{value:.4g}" if isinstance(value, float) else str(value)
 
-    columns = keys + ["status", "final_train_loss", "lfreq", "loss_over_lfreq", "collapsed",
+    columns = keys + ["status", "final_train_loss", "lfreq", "loss_over_lfreq",
+                      "loss_over_floor", "collapsed",
                       "collapse_step", "wall_s"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(fmt(row.get(c)) for c in columns) + " |" for row in rows]

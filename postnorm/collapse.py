@@ -4,10 +4,13 @@ The rule (``CollapseRule``; defaults in brackets), evaluated on the diagnostic s
 
 * A diagnostic step **meets the criterion** when tsim(X_k) at the attention input is
   >= ``tsim_threshold`` [0.99] in at least ``layer_fraction`` [0.5] of the layers AND the train
-  loss there is within ``loss_rtol`` [5%] of L_freq: |loss - L_freq| <= loss_rtol * L_freq. The
-  loss there is the mean of the last ``loss_smoothing`` [3] train losses logged at or before the
-  step (as ``run_summary``'s final loss): one batch's loss scatters by about as much as the
-  tolerance (±0.2 nats against 0.29 at L_freq = 5.87 in the default run).
+  loss there is within ``loss_rtol`` [5%] of the frequency floor: |loss - floor| <= loss_rtol *
+  floor. The loss there is the mean of the last ``loss_smoothing`` [3] train losses logged at or
+  before the step (as ``run_summary``'s final loss), and the floor is the mean of the same
+  batches' frequency floors (``postnorm.data.lfreq``): what a model predicting the unigram
+  distribution scores on exactly those batches. One batch's floor scatters around L_freq by
+  0.4-0.6 nats on the default corpus, more than the tolerance (0.29 nats at L_freq = 5.87).
+  Records without floors (older runs) are compared with L_freq.
 * The run **collapsed** when its last diagnostic step meets the criterion. The **collapse step**
   is the first diagnostic step from which every later diagnostic step meets it, so a transient
   crossing is not a collapse (``first_hit_step`` records the first crossing anyway).
@@ -66,10 +69,24 @@ class Collapse:
         return {**dataclasses.asdict(self), "window": self.window}
 
 
-def _loss_at(train_S: list[tuple[int, float]], step: int, smoothing: int) -> float:
-    """Mean of the last ``smoothing`` train losses logged at or before ``step`` (NaN if none)."""
-    before = [loss for s, loss in train_S if s <= step]
-    return float(np.mean(before[-smoothing:])) if before else float("nan")
+def train_loss_and_floor(records: list[dict]) -> list[tuple[int, float, float]]:
+    """(step, train loss, frequency floor of that batch) per logged train step, in step order;
+    the floor is L_freq where the records hold none."""
+    lfreq = lfreq_of(records)
+    return sorted((int(r["step"]), float(r["train/loss"]),
+                   float(r.get("train/freq_floor", lfreq)))
+                  for r in records if "train/loss" in r)
+
+
+def loss_and_floor_at(train_S: list[tuple[int, float, float]], step: int,
+                      smoothing: int) -> tuple[float, float]:
+    """Means of the last ``smoothing`` train losses logged at or before ``step`` and of their
+    batches' floors (NaN if none)."""
+    before = [(loss, floor) for s, loss, floor in train_S if s <= step][-smoothing:]
+    if not before:
+        return float("nan"), float("nan")
+    loss, floor = np.mean(before, axis=0)
+    return float(loss), float(floor)
 
 
 def lfreq_of(records: list[dict]) -> float:
@@ -87,13 +104,13 @@ def detect_collapse(records: list[dict], rule: CollapseRule = DEFAULT_RULE) -> C
     if "tsim_attn" not in series:
         raise ValueError("the metrics hold no per-layer diag/tsim_attn: no diagnostic step ran")
     steps_S, tsim_LxS = series["tsim_attn"]
-    lfreq = lfreq_of(records)
-    train_S = sorted((int(r["step"]), float(r["train/loss"])) for r in records
-                     if "train/loss" in r)
+    train_S = train_loss_and_floor(records)
     hit_LxS = tsim_LxS >= rule.tsim_threshold
     fraction_S = hit_LxS.mean(axis=0)
-    losses_S = np.array([_loss_at(train_S, int(s), rule.loss_smoothing) for s in steps_S])
-    near_floor_S = np.abs(losses_S - lfreq) <= rule.loss_rtol * lfreq
+    losses_Sx2 = np.array([loss_and_floor_at(train_S, int(s), rule.loss_smoothing)
+                           for s in steps_S]).reshape(-1, 2)
+    loss_S, floor_S = losses_Sx2[:, 0], losses_Sx2[:, 1]
+    near_floor_S = np.abs(loss_S - floor_S) <= rule.loss_rtol * floor_S
     meets_S = (fraction_S >= rule.layer_fraction) & near_floor_S
 
     first_hit = _first(steps_S, meets_S)

@@ -15,7 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from postnorm.collapse import Collapse, lfreq_of  # noqa: E402
+from postnorm.collapse import Collapse, lfreq_of, train_loss_and_floor  # noqa: E402
 from postnorm.plots import layer_series  # noqa: E402
 
 Series = dict[str, tuple[np.ndarray, np.ndarray]]
@@ -37,19 +37,29 @@ def _shade(ax: plt.Axes, window: Window) -> None:
                    label=f"transition window [{window[0]}, {window[1]}]")
 
 
-def plot_loss_runs(runs: dict[str, list[dict]], path: str) -> str:
-    """Train loss of every run (label -> records), coloured by the norm named in the label."""
-    fig, ax = plt.subplots(figsize=(7, 4))
+def plot_loss_runs(runs: dict[str, list[dict]], path: str, loss_rtol: float = 0.05) -> str:
+    """Train loss of every run (label -> records), coloured by the norm named in the label:
+    against L_freq (left) and divided by each batch's frequency floor (right), with the
+    collapse rule's band 1 ± ``loss_rtol``."""
+    fig, (ax, ax_ratio) = plt.subplots(1, 2, figsize=(12, 4))
     lfreqs, per_colour = set(), {}
     for label, records in sorted(runs.items()):
-        train = [(r["step"], r["train/loss"]) for r in records if "train/loss" in r]
-        if not train:
+        train_S = train_loss_and_floor(records)
+        if not train_S:
             continue
+        steps_S, loss_S, floor_S = np.array(train_S).T
         colour = next((c for norm, c in NORM_COLOURS.items() if label.startswith(norm)), None)
         index = per_colour[colour] = per_colour.get(colour, -1) + 1  # seeds of one norm
-        ax.plot(*zip(*train, strict=True), color=colour, alpha=0.8, lw=1.2,
-                linestyle=("-", "--", ":", "-.")[index % 4], label=label)
+        style = {"color": colour, "alpha": 0.8, "lw": 1.2,
+                 "linestyle": ("-", "--", ":", "-.")[index % 4], "label": label}
+        ax.plot(steps_S, loss_S, **style)
+        ax_ratio.plot(steps_S, loss_S / floor_S, **style)
         lfreqs.add(round(lfreq_of(records), 6))
+    ax_ratio.axhspan(1 - loss_rtol, 1 + loss_rtol, color="0.85", lw=0,
+                     label=f"floor ± {loss_rtol:.0%}")
+    ax_ratio.set_xlabel("step")
+    ax_ratio.set_ylabel("train loss / frequency floor of the batch")
+    ax_ratio.legend(fontsize=7, ncol=2)
     for lfreq in sorted(lfreqs):
         ax.axhline(lfreq, color="k", lw=1, linestyle="--")
         ax.annotate(f"L_freq = {lfreq:.4f}", (ax.get_xlim()[1], lfreq), ha="right",

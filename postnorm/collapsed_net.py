@@ -27,9 +27,7 @@ import optax
 
 from postnorm import theory
 from postnorm.checkpoint import Checkpointer
-from postnorm.data.lfreq import target_token_counts, unigram_entropy
-from postnorm.data.sources import prepare_source
-from postnorm.data.tokenizer_setup import get_tokenizer
+from postnorm.data.lfreq import unigram_entropy
 from postnorm.diag_step import layer_norms
 from postnorm.model import Decoder, ModelSpec
 from postnorm.train import build_experiment, train_iterator
@@ -173,19 +171,10 @@ def stationary_point(spec: ModelSpec, params: dict, inputs_BxL: np.ndarray,
     }
 
 
-def corpus_unigram_counts(data_cfg: ml_collections.ConfigDict) -> np.ndarray:
-    """Counts of the training targets (each document + EOS) over the documents L_freq uses."""
-    source = prepare_source(data_cfg)
-    tokenizer = get_tokenizer(data_cfg, source)
-    num_train = len(source.splits["train"])
-    num_docs = min(data_cfg.lfreq_sample_docs or num_train, num_train)
-    return target_token_counts(source.texts("train", num_docs), tokenizer)
-
-
-def measure_run(config: ml_collections.ConfigDict, workdir: str,
-                corpus_counts_V: np.ndarray) -> dict:
+def measure_run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     """Thm 3.8 (i), the KL and (ii) on the latest checkpoint of ``workdir`` and the config's
-    validation batches; (ii) uses the first batch and its first input token."""
+    validation batches; (ii) uses the first batch and its first input token. p_freq comes from
+    the training-target counts that L_freq is computed from."""
     exp = build_experiment(config)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), save_every=config.train.ckpt_every,
                         keep=config.train.keep_ckpts)
@@ -200,7 +189,7 @@ def measure_run(config: ml_collections.ConfigDict, workdir: str,
     first = exp.eval_batches[0]
     return {
         "checkpoint_step": int(step), "lfreq_logged": exp.data.lfreq,
-        "bound": measure_bound(exp.spec, params, exp.eval_batches, corpus_counts_V),
+        "bound": measure_bound(exp.spec, params, exp.eval_batches, exp.data.unigram_counts),
         "stationary_point": stationary_point(exp.spec, params, first["inputs"],
                                              first["targets"], int(first["inputs"][0, 0])),
     }

@@ -86,6 +86,10 @@ def plot_loss(records: list[dict], out_dir: str) -> str | None:
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(*zip(*train, strict=True), label="train loss")
+    floors = [(r["step"], r["train/freq_floor"]) for r in records if "train/freq_floor" in r]
+    if floors:
+        ax.plot(*zip(*floors, strict=True), color="0.6", lw=0.8,
+                label="frequency floor of the batch")
     if evals:
         ax.plot(*zip(*evals, strict=True), "o-", label="eval loss")
     if lfreq is not None:

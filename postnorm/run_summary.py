@@ -10,25 +10,31 @@ import sys
 
 import numpy as np
 
+from postnorm.collapse import lfreq_of, loss_and_floor_at, train_loss_and_floor
 from postnorm.plots import layer_series, read_metrics
 
 
 def summarize(workdir: str, early_layers: int = 4, tail: int = 3) -> dict:
-    """Final loss (mean of the last ``tail`` logged steps) against L_freq, and the change of
-    ||dL/dX|| at the attention input of the early layers and of the last layer, from the first
-    diagnostic step to the last."""
+    """Final loss (mean of the last ``tail`` logged steps) against L_freq and against the same
+    batches' frequency floor, and the change of ||dL/dX|| at the attention input of the early
+    layers and of the last layer, from the first diagnostic step to the last."""
     records = read_metrics(workdir)
-    train = [(r["step"], r["train/loss"]) for r in records if "train/loss" in r]
-    lfreq = next(r["train/lfreq"] for r in records if "train/lfreq" in r)
-    final_loss = float(np.mean([loss for _, loss in train[-tail:]]))
-    evals = [r["eval/loss"] for r in records if "eval/loss" in r]
+    train = train_loss_and_floor(records)
+    lfreq = lfreq_of(records)
+    final_loss, final_floor = loss_and_floor_at(train, train[-1][0], tail)
+    evals = [r for r in records if "eval/loss" in r]
+    eval_floor = evals[-1].get("eval/freq_floor") if evals else None
     summary = {
         "workdir": workdir,
         "final_step": train[-1][0],
         "final_train_loss": final_loss,
-        "final_eval_loss": evals[-1] if evals else None,
+        "final_eval_loss": evals[-1]["eval/loss"] if evals else None,
         "lfreq": lfreq,
         "train_loss_over_lfreq": final_loss / lfreq,
+        "final_train_floor": final_floor,
+        "train_loss_over_floor": final_loss / final_floor,
+        "eval_floor": eval_floor,
+        "eval_loss_over_floor": evals[-1]["eval/loss"] / eval_floor if eval_floor else None,
     }
     series = layer_series(records)
     if "dldx_norm_attn" in series:

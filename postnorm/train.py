@@ -25,6 +25,7 @@ from jax.experimental import multihost_utils
 
 from postnorm.checkpoint import Checkpointer
 from postnorm.data import LMData, load_data
+from postnorm.data.lfreq import frequency_floor
 from postnorm.diag_step import flatten_diagnostics
 from postnorm.forensics import write_nonfinite_dump
 from postnorm.metrics import JSONL_NAME, MetricWriter, Progress, truncate_jsonl
@@ -48,6 +49,13 @@ class Experiment:
     steps: CompiledSteps
     mesh: jax.sharding.Mesh
     eval_batches: list[dict[str, np.ndarray]]  # this process's share of the validation batches
+    eval_floor: float  # frequency floor of all processes' validation batches
+
+    def batch_floor(self, local_targets: np.ndarray) -> float:
+        """The frequency floor (``postnorm.data.lfreq``) of the global batch whose share on this
+        process is ``local_targets``; every process holds an equal share."""
+        local = frequency_floor(local_targets, self.data.unigram_counts)
+        return float(np.mean(multihost_utils.process_allgather(np.float64(local))))
 
 
 def _load_data_once(config: ml_collections.ConfigDict) -> LMData:
@@ -80,7 +88,10 @@ def build_experiment(config: ml_collections.ConfigDict) -> Experiment:
     tx, schedule = make_optimizer(config.opt, config.train.steps)
     steps = compile_steps(spec, tx, schedule, mesh,
                           halt_on_nonfinite=config.train.nonfinite != "skip")
-    return Experiment(config, data, spec, steps, mesh, eval_batches)
+    eval_targets = np.stack([b["targets"] for b in eval_batches])
+    eval_floor = float(np.mean(multihost_utils.process_allgather(
+        np.float64(frequency_floor(eval_targets, data.unigram_counts)))))
+    return Experiment(config, data, spec, steps, mesh, eval_batches, eval_floor)
 
 
 def _global_batch(local: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
@@ -173,7 +184,8 @@ def _train_loop(exp: Experiment, ckpt: Checkpointer, watch: PreemptionWatch,
         step += 1
         if halting:
             positions[step] = data_iter.get_state()
-        batch = _global_batch(next(data_iter), sharding)
+        local_batch = next(data_iter)
+        batch = _global_batch(local_batch, sharding)
         is_diag = step % config.diag.every == 0 or step == 1
         if is_diag:
             state, device_metrics, device_diag = exp.steps.diag(state, batch)
@@ -182,7 +194,8 @@ def _train_loop(exp: Experiment, ckpt: Checkpointer, watch: PreemptionWatch,
         reporter.flush()  # step - 1's metrics: the device is already busy with this step
         is_log = step % config.train.log_every == 0 or step in (start + 1, total)
         if is_log or is_diag:
-            reporter.hold(step, device_metrics if is_log else None, device_diag)
+            floor = exp.batch_floor(local_batch["targets"]) if is_log else None
+            reporter.hold(step, device_metrics if is_log else None, device_diag, floor)
         is_eval = step % config.train.eval_every == 0 or step == total
         stop = watch.should_stop(step)
         if halting and (reporter.saw_skip or is_eval or stop
@@ -196,7 +209,7 @@ def _train_loop(exp: Experiment, ckpt: Checkpointer, watch: PreemptionWatch,
             positions.clear()
         if is_eval:
             reporter.flush()
-            reporter.write_eval(step, evaluate(exp, state))
+            reporter.write_eval(step, evaluate(exp, state), exp.eval_floor)
         ckpt.save(step, state, data_iter, force=step == total or stop)
         if stop:
             reporter.flush()
@@ -261,13 +274,15 @@ class _Reporter:
         self.progress = Progress(self.total_steps, self.tokens_per_step, step)
         self.saw_skip, self._held, self._skipped = False, None, skipped_steps
 
-    def hold(self, step: int, metrics, diagnostics) -> None:
-        self._held = (step, metrics, diagnostics)
+    def hold(self, step: int, metrics, diagnostics, floor: float | None) -> None:
+        """Keep ``step``'s device metrics (with its batch's frequency floor) and diagnostics
+        until the next ``flush``."""
+        self._held = (step, metrics, diagnostics, floor)
 
     def flush(self) -> None:
         if self._held is None:
             return
-        step, device_metrics, device_diag = self._held
+        step, device_metrics, device_diag, floor = self._held
         self._held = None
         scalars = {}
         if device_metrics is not None:
@@ -275,6 +290,7 @@ class _Reporter:
             line, tokens_per_s = self.progress.report(step, scalars, self.lfreq)
             logging.info(line)
             scalars["train/lfreq"] = self.lfreq
+            scalars["train/freq_floor"] = floor
             if tokens_per_s is not None:
                 scalars["train/tokens_per_s"] = tokens_per_s
             skipped = scalars["train/skipped_steps"]
@@ -293,11 +309,13 @@ class _Reporter:
             self.writer.close()
             self.writer = None
 
-    def write_eval(self, step: int, eval_loss: float) -> None:
-        logging.info("eval at step %d: loss %.4f | L_freq %.4f | loss - L_freq %+.4f",
-                     step, eval_loss, self.lfreq, eval_loss - self.lfreq)
+    def write_eval(self, step: int, eval_loss: float, eval_floor: float) -> None:
+        logging.info("eval at step %d: loss %.4f | L_freq %.4f | frequency floor of the eval "
+                     "batches %.4f | loss / floor %.4f", step, eval_loss, self.lfreq, eval_floor,
+                     eval_loss / eval_floor)
         scalars = {"eval/loss": eval_loss, "eval/lfreq": self.lfreq,
-                   "eval/loss_minus_lfreq": eval_loss - self.lfreq}
+                   "eval/loss_minus_lfreq": eval_loss - self.lfreq,
+                   "eval/freq_floor": eval_floor, "eval/loss_over_floor": eval_loss / eval_floor}
         self.writer.write_scalars(step, scalars)
         self.final.update(scalars)
 

@@ -10,15 +10,19 @@ LFREQ = 5.0
 INSTANT = CollapseRule(loss_smoothing=1)  # the loss of the step itself, no averaging
 
 
-def records(steps, tsim_LxS, loss_S, dldx_LxS=None, loss_steps=None) -> list[dict]:
-    """Records shaped like the trainer's: diag keys on ``steps``; train loss on ``loss_steps``
-    (default: the same steps)."""
+def records(steps, tsim_LxS, loss_S, dldx_LxS=None, loss_steps=None,
+            floor_S=None) -> list[dict]:
+    """Records shaped like the trainer's: diag keys on ``steps``; train loss (and the batch's
+    frequency floor, if given) on ``loss_steps`` (default: the same steps)."""
     tsim_LxS = np.asarray(tsim_LxS, float)
     n_layers = tsim_LxS.shape[0]
     loss_steps = steps if loss_steps is None else loss_steps
     by_step = {s: {"step": s} for s in sorted(set(steps) | set(loss_steps))}
     for s, loss in zip(loss_steps, loss_S, strict=True):
         by_step[s].update({"train/loss": loss, "train/lfreq": LFREQ})
+    if floor_S is not None:
+        for s, floor in zip(loss_steps, floor_S, strict=True):
+            by_step[s]["train/freq_floor"] = floor
     for col, s in enumerate(steps):
         for layer in range(n_layers):
             by_step[s][layer_key("diag/tsim_attn", layer, n_layers)] = tsim_LxS[layer, col]
@@ -50,6 +54,25 @@ def test_collapse_step_window_and_gradient_ratios():
     np.testing.assert_allclose(found.fraction_collapsed, [0, 0, 0.25, 0.5, 0.5, 0.5])
     assert found.meets_criterion == [False, False, False, True, True, True]
     assert found.to_json()["window"] == (20, 30)
+
+
+def test_the_loss_is_compared_with_the_floor_of_its_own_batches():
+    # Batches whose floor is 5.6 (12% above L_freq): a loss of 5.7 is on the floor.
+    on_floor = detect_collapse(records(STEPS, TSIM, [9.0, 8.0, 6.0, 5.7, 5.7, 5.7],
+                                      floor_S=[5.6] * 6), INSTANT)
+    assert on_floor.collapsed and on_floor.collapse_step == 30
+    # Batches whose floor is 4.5: a loss of 5.1, within 5% of L_freq, is 13% above the floor.
+    above = detect_collapse(records(STEPS, TSIM, [9.0, 8.0, 6.0, 5.1, 5.1, 5.1],
+                                    floor_S=[4.5] * 6), INSTANT)
+    assert not above.collapsed and above.first_hit_step is None
+    # Smoothing pools losses and floors over the same batches: at step 40 the pair gives
+    # (5.3 + 6.3) / (5.2 + 6.0) = 1.036, inside 4%, though the step alone gives 6.3 / 6.0 = 1.05.
+    smoothed = records(STEPS, TSIM, [9.0, 8.0, 7.0, 5.3, 6.3, 6.3],
+                       floor_S=[9.0, 8.0, 6.0, 5.2, 6.0, 6.3])
+    pooled = detect_collapse(smoothed, CollapseRule(loss_smoothing=2, loss_rtol=0.04))
+    assert pooled.meets_criterion == [False, False, False, False, True, True]
+    alone = detect_collapse(smoothed, CollapseRule(loss_smoothing=1, loss_rtol=0.04))
+    assert alone.meets_criterion == [False, False, False, True, False, True]
 
 
 def test_loss_outside_the_tolerance_is_not_a_collapse():

@@ -11,6 +11,7 @@ import pytest
 import sentencepiece as spm
 
 from postnorm.data import ByteTokenizer, load_data, spm_training
+from postnorm.data.lfreq import frequency_floor
 from tests.test_data_pipeline import make_config, write_corpus
 
 TEXT = "rank collapse über café 数据\n    indented line\n"
@@ -93,6 +94,25 @@ def test_lfreq_matches_independent_unigram_entropy(corpus_dir, tmp_path):
     assert lm.lfreq == pytest.approx(expected, rel=1e-12)
     cached = json.loads(next(Path(lm.info["path"]).glob("lfreq_*_all.json")).read_text())
     assert cached["lfreq"] == lm.lfreq and cached["fingerprint"] == lm.fingerprint
+    assert load_data(make_config(corpus_dir, tmp_path)).unigram_counts.tolist() == \
+        cached["counts"]
+
+
+def test_frequency_floor_is_the_unigram_cross_entropy_of_the_targets(corpus_dir, tmp_path):
+    lm = load_data(make_config(corpus_dir, tmp_path))
+    sp = spm.SentencePieceProcessor(model_file=lm.info["tokenizer"]["path"])
+    stream = np.concatenate([np.append(sp.encode(t), sp.eos_id()) for t in train_texts(lm)])
+    # The floor of the very stream L_freq counts is its entropy; of a part, its cross-entropy.
+    assert frequency_floor(stream, lm.unigram_counts) == pytest.approx(lm.lfreq, rel=1e-12)
+    values, counts = np.unique(stream, return_counts=True)
+    p = dict(zip(values.tolist(), (counts / counts.sum()).tolist(), strict=True))
+    part = stream[:500].reshape(5, 100)
+    expected = -np.mean([np.log(p[v]) for v in part.ravel().tolist()])
+    assert frequency_floor(part, lm.unigram_counts) == pytest.approx(expected, rel=1e-12)
+    unseen = np.argmin(lm.unigram_counts)
+    assert lm.unigram_counts[unseen] == 0
+    assert frequency_floor(np.array([unseen]), lm.unigram_counts) == pytest.approx(
+        np.log(2 * counts.sum()), rel=1e-12)  # scored as half a count
 
 
 def test_lfreq_sample_docs_uses_the_first_training_documents(corpus_dir, tmp_path):

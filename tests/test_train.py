@@ -8,13 +8,15 @@ import numpy as np
 import pytest
 
 from configs.default import get_config
+from postnorm.data import load_data
+from postnorm.data.lfreq import frequency_floor
 from postnorm.model import ModelSpec
 from postnorm.optim import make_optimizer
 from postnorm.sharding import batch_sharding, make_mesh
 from postnorm.step_builder import compile_steps
 from postnorm.train import train_and_evaluate
 from postnorm.validation import ConfigError, check_config
-from tests.reliability_helpers import read_losses, tiny_config, write_corpus
+from tests.reliability_helpers import read_losses, read_records, tiny_config, write_corpus
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +26,8 @@ def corpus(tmp_path_factory):
 
 def test_twenty_steps_lower_the_loss_and_write_outputs(corpus, tmp_path):
     workdir = tmp_path / "run"
-    train_and_evaluate(tiny_config(corpus, tmp_path / "tfds"), str(workdir))
+    config = tiny_config(corpus, tmp_path / "tfds")
+    train_and_evaluate(config, str(workdir))
     losses = read_losses(workdir)
     assert sorted(losses) == list(range(1, 21))
     assert np.mean([losses[s] for s in (18, 19, 20)]) < losses[1] - 1.0
@@ -33,6 +36,21 @@ def test_twenty_steps_lower_the_loss_and_write_outputs(corpus, tmp_path):
     assert (workdir / "checkpoints" / "20").is_dir()
     record = json.loads((workdir / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["eval/lfreq"] > 0
+
+    # Each logged batch's frequency floor, recomputed from the same data order.
+    data = load_data(config.data, seed=config.seed)
+    batches = data.train_iterator(batch_size=config.data.batch_size, seed=config.seed)
+    floors = {step: frequency_floor(next(batches)["targets"], data.unigram_counts)
+              for step in range(1, 21)}
+    logged = {r["step"]: r["train/freq_floor"] for r in read_records(workdir)
+              if "train/freq_floor" in r}
+    assert sorted(logged) == sorted(losses)
+    for step, floor in logged.items():
+        assert floor == pytest.approx(floors[step], rel=1e-12)
+    eval_targets = [b["targets"] for b in data.eval_batches(
+        batch_size=config.data.batch_size, num_batches=config.train.eval_batches)]
+    assert record["eval/freq_floor"] == pytest.approx(
+        frequency_floor(np.stack(eval_targets), data.unigram_counts), rel=1e-12)
 
 
 def test_resume_reproduces_losses_exactly(corpus, tmp_path):

@@ -4,8 +4,14 @@ A language model whose representations have collapsed can only predict the margi
 distribution, so its cross-entropy floors at L_freq = -sum_v p(v) log p(v) (nats/token), with
 p the frequency of v among the training target tokens (the document tokens plus one EOS per
 document, as in the packed stream).
+
+On one batch, the same model's loss is the batch's **frequency floor**, the mean of -log p(y)
+over its targets. Its mean over batches is L_freq, but one batch of the default corpus scatters
+around it by about 0.4-0.6 nats, so a collapsed run's loss is compared with the floor of the
+batches it was measured on.
 """
 
+import dataclasses
 import json
 import time
 from collections.abc import Iterable
@@ -47,18 +53,35 @@ def target_token_counts(texts: Iterable[str], tokenizer: Tokenizer) -> np.ndarra
     return counts
 
 
+def frequency_floor(targets: np.ndarray, counts_V: np.ndarray) -> float:
+    """Mean -log p(y) over ``targets`` under p proportional to ``counts_V``: the loss of the
+    context-free unigram prediction. A token absent from the counts (possible when L_freq uses
+    a document sample) is scored as if it had half a count, so the floor stays finite."""
+    neg_log_p_V = np.log(counts_V.sum()) - np.log(np.maximum(counts_V, 0.5))
+    return float(neg_log_p_V[np.asarray(targets)].mean())
+
+
+@dataclasses.dataclass(frozen=True)
+class Unigram:
+    """The training targets' unigram counts and their entropy L_freq (nats/token)."""
+
+    lfreq: float
+    counts: np.ndarray
+
+
 def cache_path(source: PreparedSource, tokenizer: Tokenizer, sample_docs: int) -> Path:
     """The JSON cache of L_freq for this dataset, tokenizer and document sample."""
     return Path(source.path) / f"lfreq_{tokenizer.name}_{sample_docs or 'all'}.json"
 
 
-def get_lfreq(source: PreparedSource, tokenizer: Tokenizer, sample_docs: int = 0) -> float:
-    """L_freq over the first `sample_docs` training documents (0: all), cached as JSON."""
+def get_unigram(source: PreparedSource, tokenizer: Tokenizer, sample_docs: int = 0) -> Unigram:
+    """Counts and L_freq over the first `sample_docs` training documents (0: all), cached as
+    JSON."""
     path = cache_path(source, tokenizer, sample_docs)
     if path.exists():
         cached = json.loads(path.read_text())
-        if cached["fingerprint"] == source.fingerprint:
-            return cached["lfreq"]
+        if cached["fingerprint"] == source.fingerprint and "counts" in cached:
+            return Unigram(cached["lfreq"], np.asarray(cached["counts"], np.int64))
     num_train = len(source.splits["train"])
     num_docs = min(sample_docs, num_train) if sample_docs else num_train
     start = time.perf_counter()
@@ -72,10 +95,11 @@ def get_lfreq(source: PreparedSource, tokenizer: Tokenizer, sample_docs: int = 0
             "num_tokens": int(counts.sum()),
             "tokenizer": tokenizer.name,
             "fingerprint": source.fingerprint,
+            "counts": counts.tolist(),
         },
     )
     logging.info(
         "L_freq = %.4f nats/token from %d tokens of %d training docs (%.1f s) -> %s",
         lfreq, counts.sum(), num_docs, time.perf_counter() - start, path,
     )
-    return lfreq
+    return Unigram(lfreq, counts)

@@ -13,7 +13,7 @@ from absl import logging
 from postnorm.data import pipeline
 from postnorm.data.config import check_data_config
 from postnorm.data.errors import DataError
-from postnorm.data.lfreq import get_lfreq
+from postnorm.data.lfreq import get_unigram
 from postnorm.data.sources import prepare_source
 from postnorm.data.tokenizer_setup import get_tokenizer
 from postnorm.data.tokenizers import Tokenizer
@@ -26,6 +26,7 @@ class LMData:
     Attributes:
       tokenizer: the tokenizer; use its vocab_size (not the config's) for the model.
       lfreq: unigram entropy of the training targets in nats/token (the collapse floor).
+      unigram_counts: int64[vocab_size] counts of the training targets L_freq is taken over.
       fingerprint: sha256 of the dataset content.
       info: JSON-able summary for logging.
       seq_len: tokens per sequence.
@@ -35,6 +36,7 @@ class LMData:
 
     tokenizer: Tokenizer
     lfreq: float
+    unigram_counts: np.ndarray = dataclasses.field(repr=False)
     fingerprint: str
     info: dict[str, Any]
     seq_len: int
@@ -91,7 +93,8 @@ def load_data(cfg: ml_collections.ConfigDict, *, seed: int = 0) -> LMData:
     check_data_config(cfg)
     source = prepare_source(cfg)
     tokenizer = get_tokenizer(cfg, source)
-    lfreq = get_lfreq(source, tokenizer, cfg.lfreq_sample_docs)
+    unigram = get_unigram(source, tokenizer, cfg.lfreq_sample_docs)
+    lfreq = unigram.lfreq
     info = {
         **source.info,
         "tokenizer": {
@@ -111,6 +114,7 @@ def load_data(cfg: ml_collections.ConfigDict, *, seed: int = 0) -> LMData:
     return LMData(
         tokenizer=tokenizer,
         lfreq=lfreq,
+        unigram_counts=unigram.counts,
         fingerprint=source.fingerprint,
         info=info,
         seq_len=cfg.seq_len,
