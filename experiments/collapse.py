@@ -6,7 +6,8 @@ collapse transition, its per-layer diagnostics and Theorem 3.8 on the trained ch
 
 Each (norm, seed) trains with ``train_and_evaluate`` into ``DIR/<norm>_seed<k>``; a rerun skips
 finished runs and resumes partial ones (``postnorm.run_record``). With ``--workers N`` the runs
-train in N processes pinned to disjoint CPU sets (``postnorm.workers``) before the analysis.
+train, and Thm 3.8 is measured on them, in N processes pinned to disjoint CPU sets
+(``postnorm.workers``) before the analysis.
 The seed sets both the initialisation and the data order, so Post and Pre with the same seed see
 the same batches.
 Collapse is detected by the rule of ``postnorm.collapse``. Writes to DIR:
@@ -71,6 +72,15 @@ def thm38(config: ml_collections.ConfigDict, workdir: str) -> dict:
     result["wall_s"] = time.perf_counter() - start
     write_json_atomic(path, result)
     return result
+
+
+def train_and_measure(config: ml_collections.ConfigDict, workdir: str, measure: bool) -> str:
+    """Train one run (``run_once``) and, if ``measure`` and it finished, record Thm 3.8 on its
+    final checkpoint; the unit of work of a worker process. Returns the run's status."""
+    result = run_once(config, workdir)
+    if measure and result["status"] == "done":
+        thm38(config, workdir)
+    return result["status"]
 
 
 def _fmt(value, spec: str = ".4f") -> str:
@@ -165,7 +175,8 @@ def main(argv: list[str]) -> None:
             for norm in FLAGS.norms for seed in FLAGS.seeds]
     if FLAGS.workers > 1:
         load_data(runs[0][1].data, seed=runs[0][1].seed)  # build the shared caches once
-        run_pinned(run_once, [(config, os.path.join(out_dir, name)) for name, config in runs],
+        run_pinned(train_and_measure,
+                   [(config, os.path.join(out_dir, name), FLAGS.thm38) for name, config in runs],
                    FLAGS.workers)
     rows, thm_rows, all_records = [], [], {}
     for name, config in runs:
