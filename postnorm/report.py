@@ -15,7 +15,15 @@ import math
 import os
 import time
 
-from postnorm.collapse import DEFAULT_RULE, Collapse, CollapseRule, detect_collapse, lfreq_of
+from postnorm.collapse import (
+    DEFAULT_RULE,
+    Collapse,
+    CollapseRule,
+    detect_collapse,
+    lfreq_of,
+    loss_and_floor_at,
+    train_loss_and_floor,
+)
 from postnorm.collapse_plots import render_collapse_figures
 from postnorm.plots import layer_series, plot_heatmaps, read_metrics
 
@@ -60,7 +68,8 @@ def run_warnings(workdir: str, records: list[dict], collapse: Collapse | None,
         warnings.append(
             f"Collapse detected: from step {collapse.collapse_step} on, >= "
             f"{rule.layer_fraction:.0%} of the layers have tsim >= {rule.tsim_threshold} and the "
-            f"train loss is within {rule.loss_rtol:.0%} of L_freq; transition window "
+            f"train loss is within {rule.loss_rtol:.0%} of the frequency floor of its batches "
+            f"(L_freq on average); transition window "
             f"{list(collapse.window)} (onset = first layer with tsim >= {rule.tsim_threshold}).")
     losses = [r["train/loss"] for r in records if "train/loss" in r]
     if any(not math.isfinite(v) for v in losses):
@@ -125,13 +134,17 @@ def build_report(workdir: str, fallback_config: dict | None = None,
     train = [(r["step"], r["train/loss"]) for r in records if "train/loss" in r]
     evals = [r["eval/loss"] for r in records if "eval/loss" in r]
     lfreq = lfreq_of(records)
+    floor = (loss_and_floor_at(train_loss_and_floor(records), train[-1][0], rule.loss_smoothing)
+             if train else None)
     summary = [("workdir", os.path.abspath(workdir)),
                ("model", f"{config['model']['norm']}-norm, {config['model']['n_layers']} layers, "
                          f"d={config['model']['d_model']}"),
                ("last logged step", train[-1][0] if train else None),
                ("train loss at the last logged step", train[-1][1] if train else None),
                ("final eval loss", evals[-1] if evals else None), ("L_freq", lfreq),
-               ("the same / L_freq", train[-1][1] / lfreq if train else None)]
+               ("the same / L_freq", train[-1][1] / lfreq if train else None),
+               (f"mean train loss of the last {rule.loss_smoothing} logged steps / the "
+                "frequency floor of their batches", floor[0] / floor[1] if floor else None)]
     if collapse is not None:
         summary += [("collapsed", "yes" if collapse.collapsed else "no"),
                     ("collapse step", collapse.collapse_step),
