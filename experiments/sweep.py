@@ -115,7 +115,8 @@ def stability_map(rows: list[dict], path: str, axes: tuple[str, str, str] = MAP_
 
 def run_sweep(base_config: str, specs: list[RunSpec], out_dir: str,
               extra: dict[str, str], workers: int = 1) -> None:
-    """Train (or skip) every run of ``specs``: in order, or in ``workers`` pinned processes."""
+    """Train (or skip) every run of ``specs``: in order, or in ``workers`` pinned processes,
+    which take the runs with the most layer-steps first so that no long run starts last."""
     jobs = []
     for number, spec in enumerate(specs, 1):
         config = build_config(base_config, spec, extra)
@@ -127,6 +128,7 @@ def run_sweep(base_config: str, specs: list[RunSpec], out_dir: str,
             jobs.append((config, workdir, label))
     if jobs and workers > 1:
         load_data(jobs[0][0].data, seed=jobs[0][0].seed)  # build the shared caches once
+        jobs.sort(key=lambda job: job[0].model.n_layers * job[0].train.steps, reverse=True)
     run_pinned(run_logged, jobs, workers)
 
 
