@@ -1,0 +1,56 @@
+"""The frequency floor of each training batch, from the data pipeline alone (no model).
+
+    python -m experiments.batch_floors --config configs/default.py --seeds 0,1,2 [--steps N]
+
+For each seed (data order) it reads the first ``--steps`` (default ``train.steps``) global
+batches exactly as the trainer does and prints JSON: the mean and sd of their floors
+(``postnorm.data.lfreq.frequency_floor``), the mean floor of the last three logged steps (the
+batches a run's final loss is averaged over) and L_freq. It shows how far one batch's floor
+scatters around L_freq, which is why the collapse rule compares a loss with its own batches'
+floor (``postnorm.collapse``).
+"""
+
+import itertools
+import json
+
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+from postnorm.data import load_data
+from postnorm.data.lfreq import frequency_floor
+
+config_flags.DEFINE_config_file("config", "configs/default.py", "Config whose data is read.")
+flags.DEFINE_list("seeds", ["0"], "Data-order seeds.")
+flags.DEFINE_integer("steps", None, "Batches per seed; default train.steps.")
+FLAGS = flags.FLAGS
+
+
+def floors_per_step(config, seed: int, steps: int) -> np.ndarray:
+    """float64[steps]: the floor of the global batch of steps 1..steps for data order ``seed``."""
+    data = load_data(config.data, seed=seed)
+    batches = data.train_iterator(batch_size=config.data.batch_size, seed=seed)
+    return np.array([frequency_floor(batch["targets"], data.unigram_counts)
+                     for batch in itertools.islice(batches, steps)])
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    config = FLAGS.config
+    steps = FLAGS.steps or config.train.steps
+    every = config.train.log_every
+    last_logged = [s for s in range(steps, 0, -1) if s % every == 0 or s == steps][:3]
+    out = {"lfreq": load_data(config.data).lfreq, "steps": steps, "seeds": {}}
+    for seed in (int(s) for s in FLAGS.seeds):
+        floors_S = floors_per_step(config, seed, steps)
+        out["seeds"][seed] = {
+            "mean": float(floors_S.mean()), "sd": float(floors_S.std(ddof=1)),
+            "min": float(floors_S.min()), "max": float(floors_S.max()),
+            "last_logged_steps": sorted(last_logged),
+            "mean_last_logged": float(floors_S[[s - 1 for s in last_logged]].mean())}
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    app.run(main)
