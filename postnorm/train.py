@@ -51,11 +51,12 @@ class Experiment:
     eval_batches: list[dict[str, np.ndarray]]  # this process's share of the validation batches
     eval_floor: float  # frequency floor of all processes' validation batches
 
-    def batch_floor(self, local_targets: np.ndarray) -> float:
-        """The frequency floor (``postnorm.data.lfreq``) of the global batch whose share on this
-        process is ``local_targets``; every process holds an equal share."""
-        local = frequency_floor(local_targets, self.data.unigram_counts)
-        return float(np.mean(multihost_utils.process_allgather(np.float64(local))))
+
+def global_frequency_floor(local_targets: np.ndarray, counts_V: np.ndarray) -> float:
+    """The frequency floor (``postnorm.data.lfreq``) of the global batch whose share on this
+    process is ``local_targets``; every process holds an equal share."""
+    local = frequency_floor(local_targets, counts_V)
+    return float(np.mean(multihost_utils.process_allgather(np.float64(local))))
 
 
 def _load_data_once(config: ml_collections.ConfigDict) -> LMData:
@@ -88,9 +89,8 @@ def build_experiment(config: ml_collections.ConfigDict) -> Experiment:
     tx, schedule = make_optimizer(config.opt, config.train.steps)
     steps = compile_steps(spec, tx, schedule, mesh,
                           halt_on_nonfinite=config.train.nonfinite != "skip")
-    eval_targets = np.stack([b["targets"] for b in eval_batches])
-    eval_floor = float(np.mean(multihost_utils.process_allgather(
-        np.float64(frequency_floor(eval_targets, data.unigram_counts)))))
+    eval_floor = global_frequency_floor(np.stack([b["targets"] for b in eval_batches]),
+                                        data.unigram_counts)
     return Experiment(config, data, spec, steps, mesh, eval_batches, eval_floor)
 
 
@@ -194,7 +194,8 @@ def _train_loop(exp: Experiment, ckpt: Checkpointer, watch: PreemptionWatch,
         reporter.flush()  # step - 1's metrics: the device is already busy with this step
         is_log = step % config.train.log_every == 0 or step in (start + 1, total)
         if is_log or is_diag:
-            floor = exp.batch_floor(local_batch["targets"]) if is_log else None
+            floor = (global_frequency_floor(local_batch["targets"], exp.data.unigram_counts)
+                     if is_log else None)
             reporter.hold(step, device_metrics if is_log else None, device_diag, floor)
         is_eval = step % config.train.eval_every == 0 or step == total
         stop = watch.should_stop(step)
