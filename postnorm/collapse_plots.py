@@ -15,7 +15,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from postnorm.collapse import Collapse, lfreq_of, train_loss_and_floor  # noqa: E402
+from postnorm.collapse import (  # noqa: E402
+    DEFAULT_RULE,
+    Collapse,
+    lfreq_of,
+    train_loss_and_floor,
+)
 from postnorm.plots import layer_series  # noqa: E402
 
 Series = dict[str, tuple[np.ndarray, np.ndarray]]
@@ -37,7 +42,8 @@ def _shade(ax: plt.Axes, window: Window) -> None:
                    label=f"transition window [{window[0]}, {window[1]}]")
 
 
-def plot_loss_runs(runs: dict[str, list[dict]], path: str, loss_rtol: float = 0.05) -> str:
+def plot_loss_runs(runs: dict[str, list[dict]], path: str,
+                   loss_rtol: float = DEFAULT_RULE.loss_rtol) -> str:
     """Train loss of every run (label -> records), coloured by the norm named in the label:
     against L_freq (left) and divided by each batch's frequency floor (right), with the
     collapse rule's band 1 ± ``loss_rtol``."""

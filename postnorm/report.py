@@ -134,8 +134,8 @@ def build_report(workdir: str, fallback_config: dict | None = None,
     train = [(r["step"], r["train/loss"]) for r in records if "train/loss" in r]
     evals = [r["eval/loss"] for r in records if "eval/loss" in r]
     lfreq = lfreq_of(records)
-    floor = (loss_and_floor_at(train_loss_and_floor(records), train[-1][0], rule.loss_smoothing)
-             if train else None)
+    train_S = train_loss_and_floor(records)
+    floor = loss_and_floor_at(train_S, train_S[-1][0], rule.loss_smoothing) if train else None
     summary = [("workdir", os.path.abspath(workdir)),
                ("model", f"{config['model']['norm']}-norm, {config['model']['n_layers']} layers, "
                          f"d={config['model']['d_model']}"),
