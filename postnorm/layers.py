@@ -22,6 +22,17 @@ from postnorm.initializers import kernel_init
 ATTENTION_KERNELS = ("einsum", "blocked", "xla", "cudnn")
 
 
+def token_matmul(x_BxLxD: jax.Array, w_DxF: jax.Array) -> jax.Array:
+    """``x @ w`` with the token axes flattened to one: ``[B, L, D] @ [D, F] -> [B, L, F]``.
+
+    The same product as ``x @ w``, but its weight gradient becomes one ``[D, B*L] @ [B*L, F]``
+    matmul. Contracting two token axes instead makes XLA's CPU backend transpose the output
+    gradient and fall back to a kernel 3x slower (``docs/PERFORMANCE.md``).
+    """
+    *lead, d = x_BxLxD.shape
+    return (x_BxLxD.reshape(-1, d) @ w_DxF).reshape(*lead, w_DxF.shape[-1])
+
+
 def dense_kernel(module: nn.Module, name: str, shape: tuple[int, int], axes: tuple[str, str],
                  init: str) -> jax.Array:
     """A ``[fan_in, fan_out]`` float32 kernel with logical partitioning."""
@@ -107,7 +118,8 @@ class CausalSelfAttention(nn.Module):
 
         def project(name: str) -> jax.Array:
             w_DxD = dense_kernel(self, name, (d, d), ("embed", "heads"), self.init_scheme)
-            return (x @ w_DxD.astype(self.dtype)).reshape(batch, length, self.n_heads, head_dim)
+            return token_matmul(x, w_DxD.astype(self.dtype)).reshape(batch, length, self.n_heads,
+                                                                      head_dim)
 
         q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = project("w_q"), project("w_k"), project("w_v")
         if self.positions == "rope":
@@ -124,7 +136,7 @@ class CausalSelfAttention(nn.Module):
                                                        is_causal=True,
                                                        implementation=self.kernel)
         w_o_DxD = dense_kernel(self, "w_o", (d, d), ("heads", "embed"), self.init_scheme)
-        out_BxLxD = out_BxLxHxK.reshape(batch, length, d) @ w_o_DxD.astype(self.dtype)
+        out_BxLxD = token_matmul(out_BxLxHxK.reshape(batch, length, d), w_o_DxD.astype(self.dtype))
         if self.collect_stats:
             return out_BxLxD, attention_stats(probs_BxHxLxL)
         return out_BxLxD
@@ -148,6 +160,6 @@ class SwiGLU(nn.Module):
         w_up = dense_kernel(self, "w_up", (d, self.d_ff), ("embed", "mlp"), self.init_scheme)
         w_down = dense_kernel(self, "w_down", (self.d_ff, d), ("mlp", "embed"), self.init_scheme)
         w_gate_up = jnp.concatenate([w_gate, w_up], axis=1).astype(self.dtype)
-        gate_BxLxF, up_BxLxF = jnp.split(x @ w_gate_up, 2, axis=-1)
+        gate_BxLxF, up_BxLxF = jnp.split(token_matmul(x, w_gate_up), 2, axis=-1)
         hidden_BxLxF = nn.silu(gate_BxLxF) * up_BxLxF
-        return hidden_BxLxF @ w_down.astype(self.dtype)
+        return token_matmul(hidden_BxLxF, w_down.astype(self.dtype))

@@ -26,7 +26,7 @@ import ml_collections
 
 from postnorm.diagnostics import sublayer_stats, tsim
 from postnorm.initializers import embedding_init
-from postnorm.layers import CausalSelfAttention, RMSNorm, SwiGLU, dense_kernel
+from postnorm.layers import CausalSelfAttention, RMSNorm, SwiGLU, dense_kernel, token_matmul
 from postnorm.taps import tap
 
 NORM_PLACEMENTS = ("post", "pre")
@@ -157,10 +157,10 @@ class Decoder(nn.Module):
         s = self.spec
         h = h_BxLxD.astype(jnp.float32)
         if s.tie_embeddings:
-            return (h @ embedding_VxD.T) / jnp.sqrt(s.d_model)
+            return token_matmul(h, embedding_VxD.T) / jnp.sqrt(s.d_model)
         w_lm_DxV = dense_kernel(self, "lm_head", (s.d_model, s.vocab_size), ("embed", "vocab"),
                                 s.init)
-        return h @ w_lm_DxV
+        return token_matmul(h, w_lm_DxV)
 
 
 def param_count_formula(spec: ModelSpec) -> dict[str, int]:
