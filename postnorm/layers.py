@@ -75,12 +75,18 @@ def causal_attention_weights(q_BxLxHxK: jax.Array, k_BxMxHxK: jax.Array,
     Query row l sits at position ``query_offset + l``, key column m at position m.
     """
     head_dim = q_BxLxHxK.shape[-1]
-    logits_BxHxLxM = jnp.einsum("blhk,bmhk->bhlm", q_BxLxHxK, k_BxMxHxK,
+    logits_BxHxLxM = jnp.matmul(q_BxLxHxK.transpose(0, 2, 1, 3), k_BxMxHxK.transpose(0, 2, 3, 1),
                                 preferred_element_type=jnp.float32) / jnp.sqrt(head_dim)
     queries, keys = q_BxLxHxK.shape[1], k_BxMxHxK.shape[1]
     causal_LxM = jnp.tril(jnp.ones((queries, keys), dtype=bool), k=query_offset)
     logits_BxHxLxM = jnp.where(causal_LxM, logits_BxHxLxM, jnp.finfo(jnp.float32).min)
     return jax.nn.softmax(logits_BxHxLxM, axis=-1)
+
+
+def attend(probs_BxHxLxM: jax.Array, v_BxMxHxK: jax.Array) -> jax.Array:
+    """Attention output ``probs @ v`` per head: [B, L, H, K]."""
+    out_BxHxLxK = jnp.matmul(probs_BxHxLxM.astype(v_BxMxHxK.dtype), v_BxMxHxK.transpose(0, 2, 1, 3))
+    return out_BxHxLxK.transpose(0, 2, 1, 3)
 
 
 def blocked_causal_attention(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax.Array,
@@ -92,8 +98,7 @@ def blocked_causal_attention(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxH
         end = min(start + block, length)
         probs_BxHxLxM = causal_attention_weights(q_BxLxHxK[:, start:end], k_BxLxHxK[:, :end],
                                                  query_offset=start)
-        outs.append(jnp.einsum("bhlm,bmhk->blhk", probs_BxHxLxM.astype(v_BxLxHxK.dtype),
-                               v_BxLxHxK[:, :end]))
+        outs.append(attend(probs_BxHxLxM, v_BxLxHxK[:, :end]))
     return jnp.concatenate(outs, axis=1)
 
 
@@ -127,8 +132,7 @@ class CausalSelfAttention(nn.Module):
             k_BxLxHxK = rotary_embedding(k_BxLxHxK, self.rope_base)
         if self.kernel == "einsum" or self.collect_stats:
             probs_BxHxLxL = causal_attention_weights(q_BxLxHxK, k_BxLxHxK)
-            out_BxLxHxK = jnp.einsum("bhlm,bmhk->blhk", probs_BxHxLxL.astype(self.dtype),
-                                     v_BxLxHxK)
+            out_BxLxHxK = attend(probs_BxHxLxL, v_BxLxHxK)
         elif self.kernel == "blocked":
             out_BxLxHxK = blocked_causal_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, self.block)
         else:
