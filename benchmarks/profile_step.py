@@ -35,19 +35,15 @@ config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 flags.DEFINE_string("trace_dir", "", "Where the trace goes; empty: a temporary directory.")
 FLAGS = flags.FLAGS
 
-ATTENTION_CORE = re.compile(r"bhlm|blhk|softmax|reduce_max|reduce_sum|exp|select|div|sub")
-
 
 def op_group(op_name: str, hlo_name: str) -> tuple[str, str, str]:
     """(part, pass, kind) of one op from its ``op_name`` metadata."""
     direction = "backward" if "transpose(" in op_name else "forward"
     kind = "matmul" if ("dot_general" in op_name or hlo_name.startswith("dot")) else "other"
     parts = [p for p in op_name.split("/")
-             if p in ("attn", "ffn", "norm_attn", "norm_ffn", "Decoder.logits")]
+             if p in ("attn", "attn_core", "ffn", "norm_attn", "norm_ffn", "Decoder.logits")]
     if parts:
         part = parts[-1]
-        if part == "attn" and ATTENTION_CORE.search(op_name):
-            part = "attn_core"
     elif "Decoder" in op_name:
         part = "decoder_other"  # embedding, scan bookkeeping
     elif "jvp" in op_name:

@@ -130,15 +130,16 @@ class CausalSelfAttention(nn.Module):
         if self.positions == "rope":
             q_BxLxHxK = rotary_embedding(q_BxLxHxK, self.rope_base)
             k_BxLxHxK = rotary_embedding(k_BxLxHxK, self.rope_base)
-        if self.kernel == "einsum" or self.collect_stats:
-            probs_BxHxLxL = causal_attention_weights(q_BxLxHxK, k_BxLxHxK)
-            out_BxLxHxK = attend(probs_BxHxLxL, v_BxLxHxK)
-        elif self.kernel == "blocked":
-            out_BxLxHxK = blocked_causal_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, self.block)
-        else:
-            out_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK,
-                                                       is_causal=True,
-                                                       implementation=self.kernel)
+        with jax.named_scope("attn_core"):  # scores, softmax and P·V; named for profiles
+            if self.kernel == "einsum" or self.collect_stats:
+                probs_BxHxLxL = causal_attention_weights(q_BxLxHxK, k_BxLxHxK)
+                out_BxLxHxK = attend(probs_BxHxLxL, v_BxLxHxK)
+            elif self.kernel == "blocked":
+                out_BxLxHxK = blocked_causal_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, self.block)
+            else:
+                out_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK,
+                                                           is_causal=True,
+                                                           implementation=self.kernel)
         w_o_DxD = dense_kernel(self, "w_o", (d, d), ("heads", "embed"), self.init_scheme)
         out_BxLxD = token_matmul(out_BxLxHxK.reshape(batch, length, d), w_o_DxD.astype(self.dtype))
         if self.collect_stats:
