@@ -2,7 +2,7 @@
 collapse transition, its per-layer diagnostics and Theorem 3.8 on the trained checkpoints.
 
     python -m experiments.collapse --out_dir DIR [--seeds 0,1,2] [--config configs/default.py]
-        [--steps N] [--norms post,pre] [--thm38] [--workers N]
+        [--steps N] [--norms post,pre] [--thm38] [--train_batches N] [--workers N]
 
 Each (norm, seed) trains with ``train_and_evaluate`` into ``DIR/<norm>_seed<k>``; a rerun skips
 finished runs and resumes partial ones (``postnorm.run_record``). With ``--workers N`` the runs
@@ -15,7 +15,8 @@ Collapse is detected by the rule of ``postnorm.collapse``. Writes to DIR:
 * ``figures/loss_vs_lfreq.png``: every run's train loss against L_freq;
 * ``figures/<run>_layers.png``, ``_dldx.png``, ``_tsim.png``: sqrt(d)/||y_k|| and c_k, ||dL/dX_k||
   and the tsim heatmap, with the transition window shaded (``postnorm.collapse_plots``);
-* ``<run>/thm38.json``: Thm 3.8 on the run's final checkpoint (``postnorm.collapsed_net``);
+* ``<run>/thm38.json``: Thm 3.8 on the run's final checkpoint (``postnorm.collapsed_net``), and
+  that checkpoint's loss on the next ``--train_batches`` training batches;
 * ``summary.json`` and ``summary.md``: per run and per norm, and the wall times.
 """
 
@@ -45,6 +46,8 @@ flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds; each runs with every norm.")
 flags.DEFINE_list("norms", ["post", "pre"], "Norm placements to compare.")
 flags.DEFINE_integer("steps", None, "Override train.steps.")
 flags.DEFINE_bool("thm38", True, "Measure Thm 3.8 on every run's final checkpoint.")
+flags.DEFINE_integer("train_batches", 32, "With --thm38: also the final checkpoint's loss on the "
+                     "next this many training batches (not trained on).")
 flags.DEFINE_integer("workers", 1, "Train the runs in this many CPU-pinned processes.")
 FLAGS = flags.FLAGS
 THM38_NAME = "thm38.json"
@@ -59,27 +62,29 @@ def run_config(base: ml_collections.ConfigDict, norm: str, seed: int,
     return config
 
 
-def thm38(config: ml_collections.ConfigDict, workdir: str) -> dict:
-    """The run's Thm 3.8 record, measured once per final checkpoint."""
+def thm38(config: ml_collections.ConfigDict, workdir: str, train_batches: int) -> dict:
+    """The run's Thm 3.8 record, measured once per final checkpoint and ``train_batches``."""
     path = os.path.join(workdir, THM38_NAME)
     if os.path.exists(path):
         with open(path) as f:
             cached = json.load(f)
-        if cached["checkpoint_step"] == config.train.steps:
+        if (cached["checkpoint_step"] == config.train.steps
+                and cached.get("next_train_batches", {}).get("batches") == train_batches):
             return cached
     start = time.perf_counter()
-    result = collapsed_net.measure_run(config, workdir)
+    result = collapsed_net.measure_run(config, workdir, train_batches)
     result["wall_s"] = time.perf_counter() - start
     write_json_atomic(path, result)
     return result
 
 
-def train_and_measure(config: ml_collections.ConfigDict, workdir: str, measure: bool) -> str:
+def train_and_measure(config: ml_collections.ConfigDict, workdir: str, measure: bool,
+                      train_batches: int) -> str:
     """Train one run (``run_once``) and, if ``measure`` and it finished, record Thm 3.8 on its
     final checkpoint; the unit of work of a worker process. Returns the run's status."""
     result = run_once(config, workdir)
     if measure and result["status"] == "done":
-        thm38(config, workdir)
+        thm38(config, workdir, train_batches)
     return result["status"]
 
 
@@ -126,6 +131,8 @@ def thm38_row(name: str, record: dict) -> dict:
         "point_hidden_eps_max": point["hidden_eps_max"],
         "point_max_abs_grad": point["at_point"]["max_abs_grad"],
         "control_max_abs_grad": point["control"]["max_abs_grad"],
+        **{f"next_{k}": v for k, v in record["next_train_batches"].items()
+           if k not in ("losses", "floors")},
     }
 
 
@@ -158,6 +165,14 @@ def markdown(rows: list[dict], thm_rows: list[dict], wall: dict) -> str:
                 (t["bound_holds_fraction"], ".2f"), (t["mean_collapsed_prediction_loss"], ".4f"),
                 (t["kl_pfreq_qbar"], ".4f"), (t["point_loss_minus_lfreq"], ".2e"),
                 (t["point_max_abs_grad"], ".2e"), (t["control_max_abs_grad"], ".2e"))) + " |")
+        lines += ["", f"The final checkpoints on the next {thm_rows[0]['next_batches']} training "
+                  "batches (not trained on; floor: their mean frequency floor):", "",
+                  "| run | loss | floor | L_freq | loss/L_freq | loss/floor |", "|" + "---|" * 6]
+        for t in thm_rows:
+            lines.append("| " + " | ".join(_fmt(v, spec) for v, spec in (
+                (t["run"], ""), (t["next_loss"], ".4f"), (t["next_floor"], ".4f"),
+                (t["next_lfreq"], ".4f"), (t["next_loss_over_lfreq"], ".3f"),
+                (t["next_loss_over_floor"], ".3f"))) + " |")
     lines += ["", f"Wall time of this invocation: {wall['invocation_s']:.0f} s; training time "
               f"summed over the runs (including earlier invocations): {wall['train_sum_s']:.0f} s."]
     return "\n".join(lines) + "\n"
@@ -176,7 +191,8 @@ def main(argv: list[str]) -> None:
     if FLAGS.workers > 1:
         load_data(runs[0][1].data, seed=runs[0][1].seed)  # build the shared caches once
         run_pinned(train_and_measure,
-                   [(config, os.path.join(out_dir, name), FLAGS.thm38) for name, config in runs],
+                   [(config, os.path.join(out_dir, name), FLAGS.thm38, FLAGS.train_batches)
+                    for name, config in runs],
                    FLAGS.workers)
     rows, thm_rows, all_records = [], [], {}
     for name, config in runs:
@@ -187,7 +203,7 @@ def main(argv: list[str]) -> None:
         render_collapse_figures(records, collapse, fig_dir, prefix=f"{name}_")
         rows.append(run_row(name, result, collapse))
         if FLAGS.thm38 and result["status"] == "done":
-            thm_rows.append(thm38_row(name, thm38(config, workdir)))
+            thm_rows.append(thm38_row(name, thm38(config, workdir, FLAGS.train_batches)))
         logging.info("%s: %s", name, json.dumps(rows[-1]))
     plot_loss_runs(all_records, os.path.join(fig_dir, "loss_vs_lfreq.png"))
     wall = {"invocation_s": time.perf_counter() - start,

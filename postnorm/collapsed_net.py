@@ -11,6 +11,10 @@
   collapsed) and W_lm = log(p_hat) x_bar^T / ||x_bar||^2, so softmax(W_lm x_bar) = p_hat, the
   target frequencies of the batch; the loss is then L_freq(p_hat) and every gradient vanishes.
   Reported as per-layer gradient norms there and, with the same W_lm, on the real inputs.
+* The final loss on the next training batches: the final parameters' mean loss on the
+  ``train_batches`` batches the run would have trained on next, with their frequency floor.
+  The last few logged losses each see one batch, whose floor scatters around L_freq by more
+  than the 5% that separates a collapsed loss from a learning one; many batches average it out.
 
 X_H is read without changing the model: a flax method interceptor records the argument of
 ``Decoder.logits``.
@@ -30,7 +34,14 @@ from postnorm.checkpoint import Checkpointer
 from postnorm.data.lfreq import unigram_entropy
 from postnorm.diag_step import layer_norms
 from postnorm.model import Decoder, ModelSpec
-from postnorm.train import build_experiment, train_iterator
+from postnorm.sharding import batch_sharding
+from postnorm.train import (
+    Experiment,
+    build_experiment,
+    global_batch,
+    global_frequency_floor,
+    train_iterator,
+)
 
 ABSENT_PROB = 1e-30  # p_hat of tokens absent from the batch at the constructed point
 
@@ -171,20 +182,44 @@ def stationary_point(spec: ModelSpec, params: dict, inputs_BxL: np.ndarray,
     }
 
 
-def measure_run(config: ml_collections.ConfigDict, workdir: str) -> dict:
-    """Thm 3.8 (i), the KL and (ii) on the latest checkpoint of ``workdir`` and the config's
-    validation batches; (ii) uses the first batch and its first input token. p_freq comes from
-    the training-target counts that L_freq is computed from."""
+def next_batches_loss(exp: Experiment, state, batches, num_batches: int) -> dict:
+    """Mean loss of ``state`` on the next ``num_batches`` of the iterator ``batches``, against
+    L_freq and the same batches' mean frequency floor."""
+    sharding = batch_sharding(exp.mesh)
+    losses, floors = [], []
+    for _ in range(num_batches):
+        local = next(batches)
+        losses.append(float(exp.steps.evaluate(state, global_batch(local, sharding))))
+        floors.append(global_frequency_floor(local["targets"], exp.data.unigram_counts))
+    loss, floor = float(np.mean(losses)), float(np.mean(floors))
+    return {"batches": num_batches, "loss": loss, "floor": floor, "lfreq": exp.data.lfreq,
+            "loss_over_lfreq": loss / exp.data.lfreq, "loss_over_floor": loss / floor,
+            "losses": losses, "floors": floors}
+
+
+def restore_final(config: ml_collections.ConfigDict, workdir: str):
+    """(experiment, state, step, data iterator positioned after that step) of the latest
+    checkpoint in ``workdir``."""
     exp = build_experiment(config)
+    batches = train_iterator(exp)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), save_every=config.train.ckpt_every,
                         keep=config.train.keep_ckpts)
     try:
-        restored = ckpt.restore_latest(exp.steps.abstract_state, train_iterator(exp))
+        restored = ckpt.restore_latest(exp.steps.abstract_state, batches)
     finally:
         ckpt.close()
     if restored is None:
         raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints: train the run first")
     state, step = restored
+    return exp, state, step, batches
+
+
+def measure_run(config: ml_collections.ConfigDict, workdir: str, train_batches: int = 32) -> dict:
+    """Thm 3.8 (i), the KL and (ii) on the latest checkpoint of ``workdir`` and the config's
+    validation batches; (ii) uses the first batch and its first input token. p_freq comes from
+    the training-target counts that L_freq is computed from. Also the loss on the next
+    ``train_batches`` training batches (``next_batches_loss``)."""
+    exp, state, step, batches = restore_final(config, workdir)
     params = jax.device_get(state.params)
     first = exp.eval_batches[0]
     return {
@@ -192,4 +227,5 @@ def measure_run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         "bound": measure_bound(exp.spec, params, exp.eval_batches, exp.data.unigram_counts),
         "stationary_point": stationary_point(exp.spec, params, first["inputs"],
                                              first["targets"], int(first["inputs"][0, 0])),
+        "next_train_batches": next_batches_loss(exp, state, batches, train_batches),
     }

@@ -94,7 +94,8 @@ def build_experiment(config: ml_collections.ConfigDict) -> Experiment:
     return Experiment(config, data, spec, steps, mesh, eval_batches, eval_floor)
 
 
-def _global_batch(local: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
+def global_batch(local: dict[str, np.ndarray], sharding) -> dict[str, jax.Array]:
+    """This process's share of a batch as global arrays with ``sharding``."""
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
 
 
@@ -108,7 +109,7 @@ def train_iterator(exp: Experiment):
 def evaluate(exp: Experiment, state) -> float:
     """Mean validation cross-entropy over ``train.eval_batches`` fixed batches."""
     sharding = batch_sharding(exp.mesh)
-    losses = [exp.steps.evaluate(state, _global_batch(b, sharding)) for b in exp.eval_batches]
+    losses = [exp.steps.evaluate(state, global_batch(b, sharding)) for b in exp.eval_batches]
     return float(np.mean(jax.device_get(losses)))
 
 
@@ -185,7 +186,7 @@ def _train_loop(exp: Experiment, ckpt: Checkpointer, watch: PreemptionWatch,
         if halting:
             positions[step] = data_iter.get_state()
         local_batch = next(data_iter)
-        batch = _global_batch(local_batch, sharding)
+        batch = global_batch(local_batch, sharding)
         is_diag = step % config.diag.every == 0 or step == 1
         if is_diag:
             state, device_metrics, device_diag = exp.steps.diag(state, batch)
@@ -250,7 +251,7 @@ def _dump_nonfinite(exp: Experiment, state: GuardedState, step: int, position: d
     (``state``, which this donates) and writes the forensic dump; returns its path."""
     data_iter = train_iterator(exp)
     data_iter.set_state(position)
-    batch = _global_batch(next(data_iter), batch_sharding(exp.mesh))
+    batch = global_batch(next(data_iter), batch_sharding(exp.mesh))
     _, metrics, diagnostics = exp.steps.diag(state, batch)
     return write_nonfinite_dump(workdir, step, position, jax.device_get(metrics),
                                 jax.device_get(diagnostics))

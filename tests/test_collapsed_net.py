@@ -7,7 +7,12 @@ import numpy as np
 import pytest
 
 from postnorm import collapsed_net, theory_mc
+from postnorm.data import load_data
+from postnorm.data.lfreq import frequency_floor
 from postnorm.model import Decoder, ModelSpec
+from postnorm.train import train_and_evaluate
+from tests import numpy_reference as ref
+from tests.reliability_helpers import tiny_config, write_corpus
 
 VOCAB, N, D = 16, 32, 16
 
@@ -116,3 +121,38 @@ def test_constructed_point_refuses_a_tied_head():
     b = batch(3)
     with pytest.raises(ValueError, match="untied"):
         collapsed_net.stationary_point(spec, params, b["inputs"], b["targets"], token_id=5)
+
+
+def test_next_batches_loss_scores_the_batches_after_the_checkpoint(tmp_path):
+    """The loss on the next training batches: the batches that follow the checkpoint's step in
+    the run's data order, scored by a numpy forward of the restored parameters."""
+    config = tiny_config(write_corpus(tmp_path / "corpus"), tmp_path / "tfds", train__steps=6,
+                         train__ckpt_every=6, train__eval_every=100)
+    train_and_evaluate(config, str(tmp_path / "run"))
+    exp, state, step, batches = collapsed_net.restore_final(config, str(tmp_path / "run"))
+    measured = collapsed_net.next_batches_loss(exp, state, batches, num_batches=3)
+
+    data = load_data(config.data, seed=config.seed)
+    order = data.train_iterator(batch_size=config.data.batch_size, seed=config.seed)
+    expected = [next(order) for _ in range(step + 3)][step:]
+    params = jax.tree.map(np.asarray, jax.device_get(state.params))
+    m = config.model
+    losses, floors = [], []
+    for b in expected:
+        token_losses = []
+        for tokens_L, targets_L in zip(b["inputs"], b["targets"], strict=True):
+            logits = ref.forward(params, tokens_L, n_layers=m.n_layers, n_heads=m.n_heads,
+                                 norm=m.norm, positions=m.positions, eps=m.norm_eps,
+                                 rope_base=m.rope_base, tie=m.tie_embeddings)
+            log_probs = logits - logits.max(-1, keepdims=True)
+            log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+            token_losses.append(-log_probs[np.arange(len(targets_L)), targets_L])
+        losses.append(np.mean(token_losses))
+        floors.append(frequency_floor(b["targets"], data.unigram_counts))
+    assert step == 6 and measured["batches"] == 3
+    np.testing.assert_allclose(measured["losses"], losses, rtol=1e-5)
+    np.testing.assert_allclose(measured["floors"], floors, rtol=1e-12)
+    assert measured["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
+    assert measured["loss_over_lfreq"] == pytest.approx(np.mean(losses) / data.lfreq, rel=1e-5)
+    assert measured["loss_over_floor"] == pytest.approx(np.mean(losses) / np.mean(floors),
+                                                        rel=1e-5)
