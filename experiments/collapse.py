@@ -46,8 +46,10 @@ flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds; each runs with every norm.")
 flags.DEFINE_list("norms", ["post", "pre"], "Norm placements to compare.")
 flags.DEFINE_integer("steps", None, "Override train.steps.")
 flags.DEFINE_bool("thm38", True, "Measure Thm 3.8 on every run's final checkpoint.")
-flags.DEFINE_integer("train_batches", 32, "With --thm38: also the final checkpoint's loss on the "
-                     "next this many training batches (not trained on).")
+flags.DEFINE_integer("train_batches", 0, "With --thm38: also the final checkpoint's loss on the "
+                     "next this many training batches (not trained on); 0: not measured. Packed "
+                     "windows of one document follow each other, so the batches' mean floor "
+                     "nears L_freq slowly: within about 1% at 512 (default config, seeds 0-2).")
 flags.DEFINE_integer("workers", 1, "Train the runs in this many CPU-pinned processes.")
 FLAGS = flags.FLAGS
 THM38_NAME = "thm38.json"
@@ -68,8 +70,9 @@ def thm38(config: ml_collections.ConfigDict, workdir: str, train_batches: int) -
     if os.path.exists(path):
         with open(path) as f:
             cached = json.load(f)
+        measured_batches = cached.get("next_train_batches", {}).get("batches", 0)
         if (cached["checkpoint_step"] == config.train.steps
-                and cached.get("next_train_batches", {}).get("batches") == train_batches):
+                and train_batches in (0, measured_batches)):
             return cached
     start = time.perf_counter()
     result = collapsed_net.measure_run(config, workdir, train_batches)
@@ -131,7 +134,7 @@ def thm38_row(name: str, record: dict) -> dict:
         "point_hidden_eps_max": point["hidden_eps_max"],
         "point_max_abs_grad": point["at_point"]["max_abs_grad"],
         "control_max_abs_grad": point["control"]["max_abs_grad"],
-        **{f"next_{k}": v for k, v in record["next_train_batches"].items()
+        **{f"next_{k}": v for k, v in record.get("next_train_batches", {}).items()
            if k not in ("losses", "floors")},
     }
 
@@ -165,6 +168,7 @@ def markdown(rows: list[dict], thm_rows: list[dict], wall: dict) -> str:
                 (t["bound_holds_fraction"], ".2f"), (t["mean_collapsed_prediction_loss"], ".4f"),
                 (t["kl_pfreq_qbar"], ".4f"), (t["point_loss_minus_lfreq"], ".2e"),
                 (t["point_max_abs_grad"], ".2e"), (t["control_max_abs_grad"], ".2e"))) + " |")
+    if thm_rows and "next_batches" in thm_rows[0]:
         lines += ["", f"The final checkpoints on the next {thm_rows[0]['next_batches']} training "
                   "batches (not trained on; floor: their mean frequency floor):", "",
                   "| run | loss | floor | L_freq | loss/L_freq | loss/floor |", "|" + "---|" * 6]

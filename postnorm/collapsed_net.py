@@ -11,10 +11,11 @@
   collapsed) and W_lm = log(p_hat) x_bar^T / ||x_bar||^2, so softmax(W_lm x_bar) = p_hat, the
   target frequencies of the batch; the loss is then L_freq(p_hat) and every gradient vanishes.
   Reported as per-layer gradient norms there and, with the same W_lm, on the real inputs.
-* The final loss on the next training batches: the final parameters' mean loss on the
-  ``train_batches`` batches the run would have trained on next, with their frequency floor.
-  The last few logged losses each see one batch, whose floor scatters around L_freq by more
-  than the 5% that separates a collapsed loss from a learning one; many batches average it out.
+* Optionally, the final loss on the next training batches: the final parameters' mean loss on
+  the ``train_batches`` batches the run would have trained on next, with their frequency
+  floor. The last few logged losses each see one batch, whose floor scatters around L_freq by
+  more than the 5% that separates a collapsed loss from a learning one; enough batches (which
+  span many documents) average it out.
 
 X_H is read without changing the model: a flax method interceptor records the argument of
 ``Decoder.logits``.
@@ -214,18 +215,20 @@ def restore_final(config: ml_collections.ConfigDict, workdir: str):
     return exp, state, step, batches
 
 
-def measure_run(config: ml_collections.ConfigDict, workdir: str, train_batches: int = 32) -> dict:
+def measure_run(config: ml_collections.ConfigDict, workdir: str, train_batches: int = 0) -> dict:
     """Thm 3.8 (i), the KL and (ii) on the latest checkpoint of ``workdir`` and the config's
     validation batches; (ii) uses the first batch and its first input token. p_freq comes from
-    the training-target counts that L_freq is computed from. Also the loss on the next
-    ``train_batches`` training batches (``next_batches_loss``)."""
+    the training-target counts that L_freq is computed from. With ``train_batches`` > 0, also
+    the loss on the next ``train_batches`` training batches (``next_batches_loss``)."""
     exp, state, step, batches = restore_final(config, workdir)
     params = jax.device_get(state.params)
     first = exp.eval_batches[0]
-    return {
+    record = {
         "checkpoint_step": int(step), "lfreq_logged": exp.data.lfreq,
         "bound": measure_bound(exp.spec, params, exp.eval_batches, exp.data.unigram_counts),
         "stationary_point": stationary_point(exp.spec, params, first["inputs"],
                                              first["targets"], int(first["inputs"][0, 0])),
-        "next_train_batches": next_batches_loss(exp, state, batches, train_batches),
     }
+    if train_batches > 0:
+        record["next_train_batches"] = next_batches_loss(exp, state, batches, train_batches)
+    return record
