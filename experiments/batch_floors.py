@@ -1,13 +1,16 @@
 """The frequency floor of each training batch, from the data pipeline alone (no model).
 
     python -m experiments.batch_floors --config configs/default.py --seeds 0,1,2 [--steps N]
+        [--next 32,128,512]
 
 For each seed (data order) it reads the first ``--steps`` (default ``train.steps``) global
 batches exactly as the trainer does and prints JSON: the mean and sd of their floors
 (``postnorm.data.lfreq.frequency_floor``), the mean floor of the last three logged steps (the
 batches a run's final loss is averaged over) and L_freq. It shows how far one batch's floor
 scatters around L_freq, which is why the collapse rule compares a loss with its own batches'
-floor (``postnorm.collapse``).
+floor (``postnorm.collapse``). With ``--next``, also the mean floor of the first K batches after
+``--steps`` for each K: the batches ``experiments/collapse.py --train_batches K`` scores a
+final checkpoint on.
 """
 
 import itertools
@@ -23,6 +26,7 @@ from postnorm.data.lfreq import frequency_floor
 config_flags.DEFINE_config_file("config", "configs/default.py", "Config whose data is read.")
 flags.DEFINE_list("seeds", ["0"], "Data-order seeds.")
 flags.DEFINE_integer("steps", None, "Batches per seed; default train.steps.")
+flags.DEFINE_list("next", [], "Counts K of batches after --steps whose mean floor to print.")
 FLAGS = flags.FLAGS
 
 
@@ -42,9 +46,12 @@ def main(argv: list[str]) -> None:
     every = config.train.log_every
     last_logged = [s for s in range(steps, 0, -1) if s % every == 0 or s == steps][:3]
     out = {"lfreq": load_data(config.data).lfreq, "steps": steps, "seeds": {}}
+    next_counts = [int(k) for k in FLAGS.next]
     for seed in (int(s) for s in FLAGS.seeds):
-        floors_S = floors_per_step(config, seed, steps)
+        floors_all = floors_per_step(config, seed, steps + max(next_counts, default=0))
+        floors_S, floors_next = floors_all[:steps], floors_all[steps:]
         out["seeds"][seed] = {
+            "mean_next": {k: float(floors_next[:k].mean()) for k in next_counts},
             "mean": float(floors_S.mean()), "sd": float(floors_S.std(ddof=1)),
             "min": float(floors_S.min()), "max": float(floors_S.max()),
             "last_logged_steps": sorted(last_logged),
