@@ -107,6 +107,13 @@ def _thm38_section(record: dict) -> str:
              ("p_freq point: loss - L_freq(batch)", point["loss"] - point["lfreq_batch"]),
              ("p_freq point: max |grad|", point["at_point"]["max_abs_grad"]),
              ("same W_lm, real inputs: max |grad|", point["control"]["max_abs_grad"])]
+    if "next_train_batches" in record:  # experiments/collapse.py --train_batches
+        fresh = record["next_train_batches"]
+        label = f"next {fresh['batches']} training batches (not trained on)"
+        rows += [(f"{label}: loss", fresh["loss"]),
+                 (f"{label}: mean frequency floor", fresh["floor"]),
+                 (f"{label}: loss / L_freq", fresh["loss_over_lfreq"]),
+                 (f"{label}: loss / floor", fresh["loss_over_floor"])]
     return ("<h2>Theorem 3.8 on the final checkpoint</h2><p>eps = ||X_H - Pi_1 X_H||_F per "
             "sequence; bound = L_freq(p_hat) - (2/sqrt(n)) ||W_lm||_2 eps (theory.md §5).</p>"
             + _table(rows))

@@ -75,3 +75,23 @@ def test_main_report_mode_writes_the_html(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("report.html")
     assert len(embedded_images((tmp_path / "report.html").read_text())) == len(FIGURES)
+
+
+def test_report_shows_the_thm38_record_and_the_fresh_batch_loss(tmp_path):
+    write_run(tmp_path)
+    point = {"loss": 3.0, "lfreq_batch": 3.0, "at_point": {"max_abs_grad": 2.5e-7},
+             "control": {"max_abs_grad": 0.4}}
+    record = {"checkpoint_step": 100, "stationary_point": point,
+              "bound": {"sequences": 64, "w_lm_spectral_norm": 12.5, "mean": {"eps": 4e-5},
+                        "bound_holds_fraction": 1.0, "min_slack": 0.25, "kl_pfreq_qbar": 0.1381,
+                        "lfreq_corpus": 5.0},
+              "next_train_batches": {"batches": 512, "loss": 5.0743, "floor": 4.9876,
+                                     "loss_over_lfreq": 1.01486, "loss_over_floor": 1.01738}}
+    (tmp_path / "thm38.json").write_text(json.dumps(record))
+    with open(report.write_report(str(tmp_path))) as f:
+        text = f.read()
+    assert "Theorem 3.8 on the final checkpoint" in text
+    for label, value in [("KL(p_freq || mean model output)", "0.1381"),
+                         ("next 512 training batches (not trained on): loss / L_freq", "1.01486"),
+                         ("next 512 training batches (not trained on): loss / floor", "1.01738")]:
+        assert re.search(re.escape(label) + r"</t[dh]>\s*<td>" + re.escape(value), text), label
