@@ -35,11 +35,10 @@ from postnorm.checkpoint import Checkpointer
 from postnorm.data.lfreq import unigram_entropy
 from postnorm.diag_step import layer_norms
 from postnorm.model import Decoder, ModelSpec
-from postnorm.sharding import batch_sharding
 from postnorm.train import (
     Experiment,
+    batch_losses,
     build_experiment,
-    global_batch,
     global_frequency_floor,
     train_iterator,
 )
@@ -186,12 +185,10 @@ def stationary_point(spec: ModelSpec, params: dict, inputs_BxL: np.ndarray,
 def next_batches_loss(exp: Experiment, state, batches, num_batches: int) -> dict:
     """Mean loss of ``state`` on the next ``num_batches`` of the iterator ``batches``, against
     L_freq and the same batches' mean frequency floor."""
-    sharding = batch_sharding(exp.mesh)
-    losses, floors = [], []
-    for _ in range(num_batches):
-        local = next(batches)
-        losses.append(float(exp.steps.evaluate(state, global_batch(local, sharding))))
-        floors.append(global_frequency_floor(local["targets"], exp.data.unigram_counts))
+    local_batches = [next(batches) for _ in range(num_batches)]
+    losses = [float(x) for x in batch_losses(exp, state, local_batches)]
+    floors = [global_frequency_floor(b["targets"], exp.data.unigram_counts)
+              for b in local_batches]
     loss, floor = float(np.mean(losses)), float(np.mean(floors))
     return {"batches": num_batches, "loss": loss, "floor": floor, "lfreq": exp.data.lfreq,
             "loss_over_lfreq": loss / exp.data.lfreq, "loss_over_floor": loss / floor,

@@ -106,11 +106,17 @@ def train_iterator(exp: Experiment):
         process_index=jax.process_index(), process_count=jax.process_count())
 
 
+def batch_losses(exp: Experiment, state, local_batches: list[dict[str, np.ndarray]]) -> list:
+    """Mean cross-entropy of ``state`` on each batch (this process's shares), all dispatched
+    before one fetch."""
+    sharding = batch_sharding(exp.mesh)
+    losses = [exp.steps.evaluate(state, global_batch(b, sharding)) for b in local_batches]
+    return jax.device_get(losses)
+
+
 def evaluate(exp: Experiment, state) -> float:
     """Mean validation cross-entropy over ``train.eval_batches`` fixed batches."""
-    sharding = batch_sharding(exp.mesh)
-    losses = [exp.steps.evaluate(state, global_batch(b, sharding)) for b in exp.eval_batches]
-    return float(np.mean(jax.device_get(losses)))
+    return float(np.mean(batch_losses(exp, state, exp.eval_batches)))
 
 
 def _write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
