@@ -2,8 +2,12 @@
 
 The full-disk test mounts a 128 KiB tmpfs on ``<workdir>/checkpoints`` (root only; skipped
 otherwise) and, so that it also runs without root, repeats the failure with a file-size limit
-(``RLIMIT_FSIZE``: writes past it fail with EFBIG) on the main.py process. A missing dataset
-or tokenizer is covered by tests/test_data_config.py and tests/test_configs.py.
+(``RLIMIT_FSIZE``: writes past it fail with EFBIG) on the main.py process. The limit, 16 KiB,
+is below the size of the tiny model's embedding table (257 x 32 float32, about 28 KiB after
+zstd). OCDBT stores each array chunk whole in one data file, so the first checkpoint must fail;
+a higher limit (96 KiB was tried) lets it pass whenever OCDBT spreads the arrays over enough
+small files. A missing dataset or tokenizer is covered by tests/test_data_config.py and
+tests/test_configs.py.
 """
 
 import subprocess
@@ -58,12 +62,17 @@ def setup(tmp_path_factory):
 
 
 def _main(setup, workdir: Path, file_size_limit_kib: int | None = None):
-    """main.py on ``workdir``; with a limit, bash's ``ulimit -f`` sets RLIMIT_FSIZE first."""
+    """main.py on ``workdir``; with a limit, bash's ``ulimit -f`` sets RLIMIT_FSIZE first.
+
+    A limited run gets its own compilation cache: the limit would truncate the entries it
+    writes, and the session's other runs would then read them.
+    """
     flag, cache = setup
     command = [sys.executable, "main.py", "--config", flag, "--workdir", str(workdir)]
     if file_size_limit_kib:
         command = ["bash", "-c", f'ulimit -f {file_size_limit_kib} && exec "$@"', "bash",
                    *command]
+        cache = workdir.parent / "limited-jax-cache"
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300,
                           env=subprocess_env(cache))
 
@@ -92,7 +101,7 @@ def test_full_disk_during_a_checkpoint_is_a_clear_error_and_leaves_no_checkpoint
         mounts(workdir / "checkpoints", "size=128k")
         result, reason = _main(setup, workdir), "No space left on device"
     else:
-        result, reason = _main(setup, workdir, file_size_limit_kib=96), "File too large"
+        result, reason = _main(setup, workdir, file_size_limit_kib=16), "File too large"
     assert result.returncode == 2, result.stderr[-3000:]
     # Our message is one line; orbax's asyncio may log the sibling writes' failures after it.
     error = result.stderr[result.stderr.index("postnorm: error: "):].splitlines()[0]
