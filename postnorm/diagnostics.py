@@ -49,23 +49,29 @@ def norm_input_stats(y_BxLxD: jax.Array, scale_D: jax.Array, eps: float) -> dict
     }
 
 
-def attention_stats(probs_BxHxLxL: jax.Array) -> dict[str, jax.Array]:
-    """Row entropy of causal attention and its distance from prefix averaging (1/i on j <= i).
+def attention_row_stats(probs_BxHxLxM: jax.Array, query_offset: int = 0) -> dict[str, jax.Array]:
+    """Per query row: entropy of causal attention and its distance from prefix averaging.
 
-    KL(A_i || U_i) = log i - H(A_i); TV(A_i, U_i) = 1/2 sum_j |A_ij - 1/i|. Means over rows.
+    Row l is query position i = query_offset + l + 1 (1-based), which attends to keys j <= i;
+    the key axis may stop at any M >= query_offset + L (the blocked kernel's blocks do).
+    KL(A_i || U_i) = log i - H(A_i); TV(A_i, U_i) = 1/2 sum_j |A_ij - 1/i|. Each is [B, H, L].
     """
-    p = _f32(probs_BxHxLxL)
-    length = p.shape[-1]
-    row_len_L = jnp.arange(1, length + 1, dtype=jnp.float32)
+    p = _f32(probs_BxHxLxM)
+    rows, keys = p.shape[-2:]
+    row_len_L = jnp.arange(query_offset + 1, query_offset + rows + 1, dtype=jnp.float32)
     entropy_BxHxL = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), -1)
-    causal_LxL = jnp.tril(jnp.ones((length, length), dtype=bool))
-    uniform_LxL = jnp.where(causal_LxL, 1.0 / row_len_L[:, None], 0.0)
-    tv_BxHxL = 0.5 * jnp.sum(jnp.abs(p - uniform_LxL), axis=-1)
+    causal_LxM = jnp.arange(keys)[None, :] < row_len_L[:, None]
+    uniform_LxM = jnp.where(causal_LxM, 1.0 / row_len_L[:, None], 0.0)
     return {
-        "attn_entropy": jnp.mean(entropy_BxHxL),
-        "attn_kl_uniform": jnp.mean(jnp.log(row_len_L) - entropy_BxHxL),
-        "attn_tv_uniform": jnp.mean(tv_BxHxL),
+        "attn_entropy": entropy_BxHxL,
+        "attn_kl_uniform": jnp.log(row_len_L) - entropy_BxHxL,
+        "attn_tv_uniform": 0.5 * jnp.sum(jnp.abs(p - uniform_LxM), axis=-1),
     }
+
+
+def mean_attention_stats(row_stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The means over batch, heads and rows of ``attention_row_stats``."""
+    return {key: jnp.mean(value) for key, value in row_stats.items()}
 
 
 def effective_rank(x_LxD: jax.Array) -> jax.Array:

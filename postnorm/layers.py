@@ -4,19 +4,20 @@ Matrices are stored ``[fan_in, fan_out]`` with logical axis names for sharding:
 ``embed`` (d_model), ``heads`` (n_heads * head_dim), ``mlp`` (d_ff), ``vocab``.
 Reductions (norm statistics, softmax) run in float32 whatever the compute dtype.
 
-Attention kernels (``model.attention``): ``einsum`` materialises the softmax probabilities
-(the diagnostic step always uses it, since its statistics read them); ``blocked`` computes them
-one block of ``model.attention_block`` query rows at a time against only the keys that block can
-see, skipping the masked upper triangle of blocks (about half the work at n >> block); ``xla``
-and ``cudnn`` call ``jax.nn.dot_product_attention`` with that implementation (``cudnn``: GPU,
-bfloat16).
+Attention kernels (``model.attention``): ``einsum`` materialises the softmax probabilities;
+``blocked`` computes them one block of ``model.attention_block`` query rows at a time against
+only the keys that block can see, skipping the masked upper triangle of blocks (about half the
+work at n >> block); ``xla`` and ``cudnn`` call ``jax.nn.dot_product_attention`` with that
+implementation (``cudnn``: GPU, bfloat16). The diagnostic step's attention statistics are
+per-row, so ``blocked`` collects them block by block; with ``xla`` or ``cudnn``, which never
+expose the probabilities, the diagnostic step uses the ``einsum`` kernel.
 """
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from postnorm.diagnostics import attention_stats
+from postnorm.diagnostics import attention_row_stats, mean_attention_stats
 from postnorm.initializers import kernel_init
 
 ATTENTION_KERNELS = ("einsum", "blocked", "xla", "cudnn")
@@ -90,16 +91,25 @@ def attend(probs_BxHxLxM: jax.Array, v_BxMxHxK: jax.Array) -> jax.Array:
 
 
 def blocked_causal_attention(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax.Array,
-                             block: int) -> jax.Array:
-    """Causal attention by blocks of ``block`` query rows; block i reads keys [0, end_i) only."""
+                             block: int, collect_stats: bool = False
+                             ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Causal attention by blocks of ``block`` query rows; block i reads keys [0, end_i) only.
+
+    Returns the output [B, L, H, K] and, with ``collect_stats``, the attention-row statistics
+    (``attention_row_stats``, [B, H, L] each; otherwise an empty dict).
+    """
     length = q_BxLxHxK.shape[1]
-    outs = []
+    outs, row_stats = [], []
     for start in range(0, length, block):
         end = min(start + block, length)
         probs_BxHxLxM = causal_attention_weights(q_BxLxHxK[:, start:end], k_BxLxHxK[:, :end],
                                                  query_offset=start)
         outs.append(attend(probs_BxHxLxM, v_BxLxHxK[:, :end]))
-    return jnp.concatenate(outs, axis=1)
+        if collect_stats:
+            row_stats.append(attention_row_stats(probs_BxHxLxM, query_offset=start))
+    stats = {key: jnp.concatenate([rows[key] for rows in row_stats], axis=-1)
+             for key in (row_stats[0] if row_stats else ())}
+    return jnp.concatenate(outs, axis=1), stats
 
 
 class CausalSelfAttention(nn.Module):
@@ -130,12 +140,16 @@ class CausalSelfAttention(nn.Module):
         if self.positions == "rope":
             q_BxLxHxK = rotary_embedding(q_BxLxHxK, self.rope_base)
             k_BxLxHxK = rotary_embedding(k_BxLxHxK, self.rope_base)
+        row_stats = {}
         with jax.named_scope("attn_core"):  # scores, softmax and P·V; named for profiles
-            if self.kernel == "einsum" or self.collect_stats:
+            if self.kernel == "blocked":
+                out_BxLxHxK, row_stats = blocked_causal_attention(
+                    q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, self.block, self.collect_stats)
+            elif self.kernel == "einsum" or self.collect_stats:
                 probs_BxHxLxL = causal_attention_weights(q_BxLxHxK, k_BxLxHxK)
                 out_BxLxHxK = attend(probs_BxHxLxL, v_BxLxHxK)
-            elif self.kernel == "blocked":
-                out_BxLxHxK = blocked_causal_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, self.block)
+                if self.collect_stats:
+                    row_stats = attention_row_stats(probs_BxHxLxL)
             else:
                 out_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK,
                                                            is_causal=True,
@@ -143,7 +157,7 @@ class CausalSelfAttention(nn.Module):
         w_o_DxD = dense_kernel(self, "w_o", (d, d), ("heads", "embed"), self.init_scheme)
         out_BxLxD = token_matmul(out_BxLxHxK.reshape(batch, length, d), w_o_DxD.astype(self.dtype))
         if self.collect_stats:
-            return out_BxLxD, attention_stats(probs_BxHxLxL)
+            return out_BxLxD, mean_attention_stats(row_stats)
         return out_BxLxD
 
 

@@ -58,21 +58,30 @@ def test_contraction_equals_rmsnorm_vjp_on_directions_orthogonal_to_y():
     np.testing.assert_allclose(stats["y_rms_max"], rms.max(), rtol=1e-5)
 
 
-def test_attention_stats_against_numpy():
+def test_attention_row_stats_against_numpy_whole_and_by_row_blocks():
+    """Per-row entropy, KL and TV to prefix averaging, on the full matrix and on row blocks that
+    see only their causal keys (as the blocked kernel computes them), against numpy."""
     rng = np.random.default_rng(3)
-    n = 6
-    logits = rng.normal(size=(2, 3, n, n)) * 2
-    logits = np.where(np.tril(np.ones((n, n))) > 0, logits, -np.inf)
+    n = 7
+    causal = np.tril(np.ones((n, n))) > 0
+    logits = np.where(causal, rng.normal(size=(2, 3, n, n)) * 2, -np.inf)
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
-    got = dg.attention_stats(jnp.asarray(probs, jnp.float32))
+    uniform = causal / np.arange(1, n + 1)[:, None]
     with np.errstate(divide="ignore", invalid="ignore"):
-        entropy = -np.nansum(np.where(probs > 0, probs * np.log(probs), 0.0), -1)
-    uniform = np.tril(np.ones((n, n))) / np.arange(1, n + 1)[:, None]
-    kl = np.nansum(np.where(probs > 0, probs * np.log(probs / uniform), 0.0), -1)
-    np.testing.assert_allclose(got["attn_entropy"], entropy.mean(), rtol=1e-5)
-    np.testing.assert_allclose(got["attn_kl_uniform"], kl.mean(), rtol=1e-4)
-    np.testing.assert_allclose(got["attn_tv_uniform"], 0.5 * np.abs(probs - uniform).sum(-1).mean(),
-                               rtol=1e-5)
-    prefix = dg.attention_stats(jnp.asarray(uniform[None, None], jnp.float32))
+        entropy = -np.where(probs > 0, probs * np.log(probs), 0.0).sum(-1)
+        kl = np.where(probs > 0, probs * np.log(probs / uniform), 0.0).sum(-1)
+    want = {"attn_entropy": entropy, "attn_kl_uniform": kl,
+            "attn_tv_uniform": 0.5 * np.abs(probs - uniform).sum(-1)}
+    probs_f32 = jnp.asarray(probs, jnp.float32)
+    whole = dg.attention_row_stats(probs_f32)
+    blocks = [dg.attention_row_stats(probs_f32[:, :, start:end, :end], query_offset=start)
+              for start, end in ((0, 3), (3, 6), (6, 7))]
+    for key, value in want.items():
+        np.testing.assert_allclose(whole[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+        by_blocks = np.concatenate([np.asarray(b[key]) for b in blocks], axis=-1)
+        np.testing.assert_allclose(by_blocks, value, rtol=1e-5, atol=1e-6, err_msg=key)
+        np.testing.assert_allclose(dg.mean_attention_stats(whole)[key], value.mean(), rtol=1e-5)
+    prefix = dg.attention_row_stats(jnp.asarray(uniform[None, None], jnp.float32))
     np.testing.assert_allclose(prefix["attn_kl_uniform"], 0.0, atol=1e-6)
+    np.testing.assert_allclose(prefix["attn_tv_uniform"], 0.0, atol=1e-6)

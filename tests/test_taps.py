@@ -18,8 +18,14 @@ SPEC = dict(vocab_size=40, max_len=16, n_layers=3, d_model=16, n_heads=4, d_ff=2
             positions="none")
 
 
-def setup(norm: str, seed: int = 0):
-    spec = ModelSpec(**SPEC, norm=norm)
+KERNELS = {"einsum": {}, "blocked": dict(attention="blocked", attention_block=5)}
+# Both placements with the einsum kernel; the blocked kernel (which shares the placement code)
+# with Post-Norm, to keep the suite's compile time down.
+NORMS_AND_KERNELS = [("post", "einsum"), ("pre", "einsum"), ("post", "blocked")]
+
+
+def setup(norm: str, seed: int = 0, kernel: str = "einsum"):
+    spec = ModelSpec(**SPEC, norm=norm, **KERNELS[kernel])
     tokens = jax.random.randint(jax.random.key(seed + 1), (3, 17), 0, 40)
     model = Decoder(spec)
     params = nn.unbox(model.init(jax.random.key(seed), tokens[:, :-1])["params"])
@@ -48,9 +54,9 @@ def reference_cotangents(spec, params, inputs, targets):
     return cotangents
 
 
-@pytest.mark.parametrize("norm", ["post", "pre"])
-def test_tap_statistics_match_vjp_cotangents(norm):
-    spec, model, params, inputs, targets = setup(norm)
+@pytest.mark.parametrize(("norm", "kernel"), NORMS_AND_KERNELS)
+def test_tap_statistics_match_vjp_cotangents(norm, kernel):
+    spec, model, params, inputs, targets = setup(norm, kernel=kernel)
 
     def loss_fn(probes):
         logits, _ = model.apply({"params": params}, inputs, probes=probes)
@@ -76,9 +82,9 @@ def test_gradient_stats_decompose_the_norm():
     assert repair_sq < 1e-10 * mean_sq
 
 
-@pytest.mark.parametrize("norm", ["post", "pre"])
-def test_diag_step_makes_the_same_update_bitwise(norm):
-    spec, model, params, inputs, targets = setup(norm)
+@pytest.mark.parametrize(("norm", "kernel"), NORMS_AND_KERNELS)
+def test_diag_step_makes_the_same_update_bitwise(norm, kernel):
+    spec, model, params, inputs, targets = setup(norm, kernel=kernel)
     tx = optax.adamw(1e-3)
     schedule = optax.constant_schedule(1e-3)
     batch = {"inputs": inputs, "targets": targets}
@@ -104,6 +110,23 @@ def test_every_statistic_is_finite_and_nonzero(norm):
         values = np.array([v for k, v in flat.items() if k.split("/")[1] == name])
         assert np.all(np.isfinite(values)), name
         assert np.any(values != 0), name
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_blocked_kernel_gives_the_einsum_kernels_statistics(norm):
+    """Blocks of 5 query rows over n = 16 (5, 5, 5, 1): every per-layer statistic, attention
+    entropy, KL and TV included, matches the materialised-probabilities kernel's."""
+    batch_stats = {}
+    for kernel in KERNELS:
+        spec, model, params, inputs, targets = setup(norm, kernel=kernel)
+        state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(1e-3))
+        _, _, stats = diag_step(state, {"inputs": inputs, "targets": targets},
+                                optax.constant_schedule(1e-3))
+        batch_stats[kernel] = flatten_diagnostics(jax.device_get(stats))
+    einsum, blocked = batch_stats["einsum"], batch_stats["blocked"]
+    assert set(blocked) == set(einsum) and "diag/attn_tv_uniform/layer_02" in einsum
+    for key, value in einsum.items():
+        np.testing.assert_allclose(blocked[key], value, rtol=2e-4, atol=1e-6, err_msg=key)
 
 
 def test_per_layer_parameter_gradient_and_update_norms_against_numpy():
