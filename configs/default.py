@@ -26,8 +26,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.norm_eps = 1e-6
     c.model.rope_base = 10000.0
     c.model.dtype = "float32"  # float32 | bfloat16 (compute dtype; params stay float32)
-    c.model.attention = "einsum"  # einsum | blocked | xla | cudnn (cudnn: GPU, bfloat16 only)
-    c.model.attention_block = 128  # query rows per block of the blocked kernel
+    c.model.attention = "blocked"  # einsum | blocked | xla | cudnn (cudnn: GPU, bfloat16 only)
+    c.model.attention_block = 32  # query rows per block of the blocked kernel
     c.model.remat = "full"  # none | dots | dots_no_batch | full (what backward keeps per layer)
     c.model.scan_unroll = 1  # layers per iteration of the scanned layer loop
 

@@ -26,6 +26,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.d_ff = 1536
     c.model.tie_embeddings = True
     c.model.attention = "blocked"  # fastest on CPU (docs/PERFORMANCE.md); on GPU: cudnn, bf16
+    c.model.attention_block = 128
     c.model.remat = "dots"
 
     c.data.source = "c4"
