@@ -112,13 +112,13 @@ def test_every_statistic_is_finite_and_nonzero(norm):
         assert np.any(values != 0), name
 
 
-@pytest.mark.parametrize("norm", ["post", "pre"])
-def test_blocked_kernel_gives_the_einsum_kernels_statistics(norm):
+def test_blocked_kernel_gives_the_einsum_kernels_statistics():
     """Blocks of 5 query rows over n = 16 (5, 5, 5, 1): every per-layer statistic, attention
-    entropy, KL and TV included, matches the materialised-probabilities kernel's."""
+    entropy, KL and TV included, matches the materialised-probabilities kernel's (Post-Norm;
+    the kernel does not depend on the placement)."""
     batch_stats = {}
     for kernel in KERNELS:
-        spec, model, params, inputs, targets = setup(norm, kernel=kernel)
+        spec, model, params, inputs, targets = setup("post", kernel=kernel)
         state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(1e-3))
         _, _, stats = diag_step(state, {"inputs": inputs, "targets": targets},
                                 optax.constant_schedule(1e-3))
