@@ -95,6 +95,7 @@ def blocked_causal_attention(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxH
                              ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Causal attention by blocks of ``block`` query rows; block i reads keys [0, end_i) only.
 
+    With ``block`` >= L this is the einsum kernel: one [B, H, L, L] probability matrix.
     Returns the output [B, L, H, K] and, with ``collect_stats``, the attention-row statistics
     (``attention_row_stats``, [B, H, L] each; otherwise an empty dict).
     """
@@ -107,9 +108,10 @@ def blocked_causal_attention(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxH
         outs.append(attend(probs_BxHxLxM, v_BxLxHxK[:, :end]))
         if collect_stats:
             row_stats.append(attention_row_stats(probs_BxHxLxM, query_offset=start))
-    stats = {key: jnp.concatenate([rows[key] for rows in row_stats], axis=-1)
-             for key in (row_stats[0] if row_stats else ())}
-    return jnp.concatenate(outs, axis=1), stats
+    out_BxLxHxK = jnp.concatenate(outs, axis=1)
+    if not collect_stats:
+        return out_BxLxHxK, {}
+    return out_BxLxHxK, jax.tree.map(lambda *rows: jnp.concatenate(rows, axis=-1), *row_stats)
 
 
 class CausalSelfAttention(nn.Module):
@@ -142,14 +144,11 @@ class CausalSelfAttention(nn.Module):
             k_BxLxHxK = rotary_embedding(k_BxLxHxK, self.rope_base)
         row_stats = {}
         with jax.named_scope("attn_core"):  # scores, softmax and P·V; named for profiles
-            if self.kernel == "blocked":
+            if self.kernel in ("einsum", "blocked") or self.collect_stats:
+                # einsum (and the fallback of xla / cudnn for statistics) is one block of all rows
+                block = self.block if self.kernel == "blocked" else length
                 out_BxLxHxK, row_stats = blocked_causal_attention(
-                    q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, self.block, self.collect_stats)
-            elif self.kernel == "einsum" or self.collect_stats:
-                probs_BxHxLxL = causal_attention_weights(q_BxLxHxK, k_BxLxHxK)
-                out_BxLxHxK = attend(probs_BxHxLxL, v_BxLxHxK)
-                if self.collect_stats:
-                    row_stats = attention_row_stats(probs_BxHxLxL)
+                    q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, block, self.collect_stats)
             else:
                 out_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK,
                                                            is_causal=True,
