@@ -32,26 +32,23 @@ import copy
 import json
 import resource
 import statistics
-import time
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import ml_collections
-import numpy as np
 import psutil
 from absl import app, flags
 from ml_collections import config_flags
 
+from benchmarks.programs import (
+    PROGRAMS,
+    build_programs,
+    device_memory,
+    memory_analysis,
+    timed,
+    transparent_hugepage_mode,
+)
 from postnorm.config_args import apply_arg
-from postnorm.flops import forward_flops_per_token, train_flops_per_token
-from postnorm.model import Decoder, ModelSpec
-from postnorm.optim import make_optimizer
-from postnorm.sharding import batch_sharding, make_mesh
-from postnorm.step_builder import compile_steps
 from postnorm.validation import check_backend, check_layout, check_model, check_opt
-
-PROGRAMS = ("train", "diag", "forward")
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 flags.DEFINE_list("programs", ["train", "diag"], f"Programs to time, from {list(PROGRAMS)}.")
@@ -65,84 +62,6 @@ flags.DEFINE_float("nominal_peak_tflops", 0.0, "Datasheet peak, TFLOP/s; 0: not 
 FLAGS = flags.FLAGS
 
 
-def memory_analysis(compiled) -> dict[str, int]:
-    """XLA's buffer sizes; the peak estimate counts arguments, outputs and temporaries once."""
-    a = compiled.memory_analysis()
-    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
-              "temp_size_in_bytes")
-    out = {f: int(getattr(a, f)) for f in fields}
-    out["peak_estimate_bytes"] = (out["argument_size_in_bytes"] + out["output_size_in_bytes"]
-                                  - out["alias_size_in_bytes"] + out["temp_size_in_bytes"])
-    return out
-
-
-def device_memory() -> dict[str, int] | None:
-    """The first device's allocator statistics (accelerators; ``None`` on CPU)."""
-    stats = jax.devices()[0].memory_stats()
-    if not stats:
-        return None
-    keys = ("peak_bytes_in_use", "bytes_in_use", "bytes_limit")
-    return {k: int(stats[k]) for k in keys if k in stats}
-
-
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(fn())
-    return time.perf_counter() - start
-
-
-class Program:
-    """One compiled program, the arguments it runs on, and its model FLOPs per call."""
-
-    def __init__(self, jitted, args: tuple, flops: int, carries_state: bool):
-        start = time.perf_counter()
-        self.compiled = jitted.lower(*args).compile()
-        self.compile_s = time.perf_counter() - start  # tracing, lowering and XLA compilation
-        self.args, self.flops, self.carries_state = args, flops, carries_state
-        self.times: list[float] = []
-
-    def run(self) -> None:
-        """Time one call; a step's new state replaces the donated old one."""
-        start = time.perf_counter()
-        result = jax.block_until_ready(self.compiled(*self.args))
-        self.times.append(time.perf_counter() - start)
-        if self.carries_state:
-            self.args = (result[0],) + self.args[1:]
-
-
-def build_programs(config: ml_collections.ConfigDict,
-                   names: list[str]) -> tuple[dict[str, Program], dict]:
-    """The programs in ``names`` order, and a description of the model and batch."""
-    vocab = FLAGS.vocab_size or config.data.vocab_size
-    seq_len, batch_size = config.data.seq_len, config.data.batch_size
-    spec = ModelSpec.from_config(config.model, vocab_size=vocab, max_len=seq_len)
-    mesh = make_mesh(config.mesh)
-    tokens = np.random.default_rng(0).integers(0, vocab, (batch_size, seq_len + 1), np.int32)
-    batch = {k: jax.device_put(v, batch_sharding(mesh))
-             for k, v in (("inputs", tokens[:, :-1]), ("targets", tokens[:, 1:]))}
-    n_tokens = batch_size * seq_len
-    programs = {}
-    if {"train", "diag"} & set(names):
-        tx, schedule = make_optimizer(config.opt, config.train.steps)
-        steps = compile_steps(spec, tx, schedule, mesh)
-        for name in {"train", "diag"} & set(names):
-            programs[name] = Program(getattr(steps, name), (steps.init(config.seed), batch),
-                                     train_flops_per_token(spec, seq_len) * n_tokens, True)
-    if "forward" in names:
-        model = Decoder(spec)
-        params = jax.jit(lambda key: model.init(key, batch["inputs"])["params"])(
-            jax.random.key(config.seed))
-        programs["forward"] = Program(jax.jit(lambda p, x: model.apply({"params": p}, x)),
-                                      (params, batch["inputs"]),
-                                      forward_flops_per_token(spec, seq_len) * n_tokens, False)
-    model_info = {"n_layers": spec.n_layers, "d_model": spec.d_model, "d_ff": spec.d_ff,
-                  "n_heads": spec.n_heads, "vocab_size": vocab, "seq_len": seq_len,
-                  "batch_size": batch_size, "norm": spec.norm, "dtype": spec.dtype,
-                  "attention": spec.attention, "remat": spec.remat,
-                  "tokens_per_call": n_tokens}
-    return {n: programs[n] for n in names}, model_info
-
-
 def main(_):
     unknown = sorted(set(FLAGS.programs) - set(PROGRAMS))
     if unknown:
@@ -154,7 +73,8 @@ def main(_):
         check_opt(config)
         check_layout(config, device_count=jax.device_count(), process_count=1)
         check_backend(config, platform=jax.default_backend())
-        variants[overrides], models[overrides] = build_programs(config, FLAGS.programs)
+        variants[overrides], models[overrides] = build_programs(
+            config, FLAGS.programs, FLAGS.vocab_size or config.data.vocab_size)
 
     n = FLAGS.peak_size
     a_NxN = jax.random.normal(jax.random.key(1), (n, n), jnp.dtype(FLAGS.peak_dtype))
@@ -163,6 +83,7 @@ def main(_):
     for program in all_programs:  # warm-up
         program.run()
         program.times.clear()
+        program.page_faults.clear()
     peak_times = []
     for _ in range(FLAGS.repeats):
         peak_times.append(min(timed(lambda: matmul(a_NxN)) for _ in range(FLAGS.peak_calls)))
@@ -183,13 +104,14 @@ def main(_):
                 "time_vs_first_variant": median / statistics.median(first[name].times),
                 "tokens_per_s": tokens / median, "model_gflop": program.flops / 1e9,
                 "achieved_gflop_s": achieved / 1e9, "mfu": achieved / peak_flops_s,
-                "compile_s": program.compile_s, "memory": memory_analysis(program.compiled)}
+                "compile_s": program.compile_s, "memory": memory_analysis(program.compiled),
+                "minor_page_faults": statistics.median(program.page_faults)}
             if FLAGS.nominal_peak_tflops:
                 results[overrides]["programs"][name]["mfu_vs_nominal"] = (
                     achieved / (FLAGS.nominal_peak_tflops * 1e12))
     print(json.dumps({
         "platform": jax.default_backend(), "devices": jax.device_count(),
-        "repeats": FLAGS.repeats,
+        "repeats": FLAGS.repeats, "transparent_hugepages": transparent_hugepage_mode(),
         "peak": {"matmul_size": n, "dtype": FLAGS.peak_dtype,
                  "median_s": statistics.median(peak_times), "gflop_s": peak_flops_s / 1e9},
         "variants": results,

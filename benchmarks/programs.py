@@ -1,0 +1,123 @@
+"""The model's compiled programs on a random token batch, timed one call at a time.
+
+Shared by the benchmarks: ``train`` (the jitted, guarded, donating train step the trainer
+runs), ``diag`` (the diagnostic step) and ``forward`` (the logits at initialisation).
+"""
+
+import pathlib
+import re
+import resource
+import time
+from collections.abc import Callable
+
+import jax
+import ml_collections
+import numpy as np
+
+from postnorm.flops import forward_flops_per_token, train_flops_per_token
+from postnorm.model import Decoder, ModelSpec
+from postnorm.optim import make_optimizer
+from postnorm.sharding import batch_sharding, make_mesh
+from postnorm.step_builder import compile_steps
+
+PROGRAMS = ("train", "diag", "forward")
+THP_SETTING = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def transparent_hugepage_mode() -> str | None:
+    """The kernel's transparent huge page mode (always, madvise or never); None off Linux.
+
+    XLA's CPU runtime maps each call's temporary buffer afresh, so every 4 KiB page of it
+    faults on first touch in every call unless the kernel backs it with huge pages ("always";
+    under "madvise" only memory that asks for them is), which docs/PERFORMANCE.md measures.
+    """
+    try:
+        return re.search(r"\[(\w+)\]", THP_SETTING.read_text()).group(1)
+    except (OSError, AttributeError):
+        return None
+
+
+def minor_page_faults() -> int:
+    """Minor page faults of this process so far, all threads."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def memory_analysis(compiled) -> dict[str, int]:
+    """XLA's buffer sizes; the peak estimate counts arguments, outputs and temporaries once."""
+    a = compiled.memory_analysis()
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+              "temp_size_in_bytes")
+    out = {f: int(getattr(a, f)) for f in fields}
+    out["peak_estimate_bytes"] = (out["argument_size_in_bytes"] + out["output_size_in_bytes"]
+                                  - out["alias_size_in_bytes"] + out["temp_size_in_bytes"])
+    return out
+
+
+def device_memory() -> dict[str, int] | None:
+    """The first device's allocator statistics (accelerators; ``None`` on CPU)."""
+    stats = jax.devices()[0].memory_stats()
+    if not stats:
+        return None
+    keys = ("peak_bytes_in_use", "bytes_in_use", "bytes_limit")
+    return {k: int(stats[k]) for k in keys if k in stats}
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - start
+
+
+class Program:
+    """One compiled program, the arguments it runs on, and its model FLOPs per call."""
+
+    def __init__(self, jitted, args: tuple, flops: int, carries_state: bool):
+        start = time.perf_counter()
+        self.compiled = jitted.lower(*args).compile()
+        self.compile_s = time.perf_counter() - start  # tracing, lowering and XLA compilation
+        self.args, self.flops, self.carries_state = args, flops, carries_state
+        self.times: list[float] = []
+        self.page_faults: list[int] = []
+
+    def run(self) -> None:
+        """Time one call and count its page faults; a step's new state replaces the donated
+        old one."""
+        faults, start = minor_page_faults(), time.perf_counter()
+        result = jax.block_until_ready(self.compiled(*self.args))
+        self.times.append(time.perf_counter() - start)
+        self.page_faults.append(minor_page_faults() - faults)
+        if self.carries_state:
+            self.args = (result[0],) + self.args[1:]
+
+
+def build_programs(config: ml_collections.ConfigDict, names: list[str],
+                   vocab: int) -> tuple[dict[str, Program], dict]:
+    """The programs in ``names`` order (from ``PROGRAMS``), and a description of the model and
+    batch: random tokens of the config's batch shape over ``vocab``."""
+    seq_len, batch_size = config.data.seq_len, config.data.batch_size
+    spec = ModelSpec.from_config(config.model, vocab_size=vocab, max_len=seq_len)
+    mesh = make_mesh(config.mesh)
+    tokens = np.random.default_rng(0).integers(0, vocab, (batch_size, seq_len + 1), np.int32)
+    batch = {k: jax.device_put(v, batch_sharding(mesh))
+             for k, v in (("inputs", tokens[:, :-1]), ("targets", tokens[:, 1:]))}
+    n_tokens = batch_size * seq_len
+    programs = {}
+    if {"train", "diag"} & set(names):
+        tx, schedule = make_optimizer(config.opt, config.train.steps)
+        steps = compile_steps(spec, tx, schedule, mesh)
+        for name in {"train", "diag"} & set(names):
+            programs[name] = Program(getattr(steps, name), (steps.init(config.seed), batch),
+                                     train_flops_per_token(spec, seq_len) * n_tokens, True)
+    if "forward" in names:
+        model = Decoder(spec)
+        params = jax.jit(lambda key: model.init(key, batch["inputs"])["params"])(
+            jax.random.key(config.seed))
+        programs["forward"] = Program(jax.jit(lambda p, x: model.apply({"params": p}, x)),
+                                      (params, batch["inputs"]),
+                                      forward_flops_per_token(spec, seq_len) * n_tokens, False)
+    model_info = {"n_layers": spec.n_layers, "d_model": spec.d_model, "d_ff": spec.d_ff,
+                  "n_heads": spec.n_heads, "vocab_size": vocab, "seq_len": seq_len,
+                  "batch_size": batch_size, "norm": spec.norm, "dtype": spec.dtype,
+                  "attention": spec.attention, "remat": spec.remat,
+                  "tokens_per_call": n_tokens}
+    return {n: programs[n] for n in names}, model_info
