@@ -25,7 +25,10 @@ interleaved (peak, then every program once), so every figure sees the same machi
 timing ends with a device sync. Model FLOPs follow ``postnorm.flops``; MFU is the achieved
 model FLOP/s over the median measured peak (and, with ``--nominal_peak_tflops``, also over a
 datasheet peak). Memory: XLA's memory analysis of each compiled program, and
-the process's resident set (current, and lifetime peak including compilation). Prints JSON.
+the process's resident set (current, and lifetime peak including compilation). Also the minor
+page faults of each call (median, ``minor_page_faults``) and the kernel's transparent huge page
+mode (``transparent_hugepages``): XLA's CPU runtime maps each call's temporaries afresh, so
+they fault page by page (docs/PERFORMANCE.md). Prints JSON.
 """
 
 import copy

@@ -63,6 +63,7 @@ def device_memory() -> dict[str, int] | None:
 
 
 def timed(fn: Callable[[], object]) -> float:
+    """Seconds of one call of ``fn``, up to its results being ready."""
     start = time.perf_counter()
     jax.block_until_ready(fn())
     return time.perf_counter() - start

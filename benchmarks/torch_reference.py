@@ -4,13 +4,12 @@
     python -m benchmarks.torch_reference --config configs/default.py --repeats 7
     taskset -c 0 python -m benchmarks.torch_reference --config configs/default.py --repeats 5
 
-What PyTorch's CPU kernels reach on the same shapes, on the same machine, in the same run. The
-PyTorch model is the usual way to write this network: ``nn.Linear`` layers with the Q, K, V
-and the gate/up projections fused, ``nn.RMSNorm``, rotary positions on (i, i + K/2) pairs,
-``scaled_dot_product_attention(is_causal=True)`` (PyTorch's fused CPU attention kernel) and
-fused AdamW with the JAX optimizer's settings, eager (``--torch_compile``: ``torch.compile``,
-which needs a C++ compiler). It keeps every activation for the backward pass, as PyTorch does
-by default; the JAX step is the trainer's, with the config's remat policy.
+What PyTorch's CPU kernels reach on the same shapes, on the same machine, in the same run, on
+CPU only. The PyTorch model (``benchmarks.torch_model``) trains with fused AdamW at the
+config's peak learning rate, betas, eps and weight decay (a constant rate: the schedule does
+not change the cost), eager or, with ``--torch_compile``, under ``torch.compile`` (which needs
+a C++ compiler). It keeps every activation for the backward pass, as PyTorch does by default;
+the JAX step is the trainer's, with the config's remat policy.
 
 Before timing, the PyTorch model is loaded with the JAX model's initial parameters and both
 compute the loss and its gradient on one batch: their largest relative differences are
@@ -31,19 +30,21 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import torch
 from absl import app, flags
-from flax.linen import meta
 from ml_collections import config_flags
-from torch import nn
-from torch.nn import functional
 
 from benchmarks.programs import build_programs, minor_page_faults, timed, transparent_hugepage_mode
+from benchmarks.torch_model import (
+    TorchDecoder,
+    check_supported,
+    equivalence,
+    make_optimizer,
+    train_loss,
+)
 from postnorm.flops import train_flops_per_token
-from postnorm.model import Decoder, ModelSpec
-from postnorm.steps import cross_entropy
+from postnorm.model import ModelSpec
 from postnorm.validation import check_backend, check_model, check_opt
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
@@ -55,180 +56,6 @@ flags.DEFINE_integer("profile_ops", 0, "After timing, profile one PyTorch step a
                      "this many largest ops by self CPU time; 0: no profile.")
 FLAGS = flags.FLAGS
 PEAK_SIZE = 2048
-
-
-def check_supported(spec: ModelSpec) -> None:
-    """The PyTorch model covers float32 and rotary or no positions."""
-    if spec.dtype != "float32":
-        raise app.UsageError(f"model.dtype={spec.dtype}: the PyTorch reference is float32 only")
-    if spec.positions not in ("rope", "none"):
-        raise app.UsageError(f"model.positions={spec.positions}: the PyTorch reference "
-                             "supports rope and none")
-
-
-def rotary_tables(length: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [L, K/2] of the rotary angles, as in ``postnorm.layers.rotary_embedding``."""
-    half = head_dim // 2
-    inv_freq = base ** (-torch.arange(half, dtype=torch.float32) / half)
-    angle = torch.arange(length, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    return torch.cos(angle), torch.sin(angle)
-
-
-def rotate(x_BxHxLxK: torch.Tensor, cos_LxK2: torch.Tensor, sin_LxK2: torch.Tensor
-           ) -> torch.Tensor:
-    x1, x2 = x_BxHxLxK.chunk(2, dim=-1)
-    return torch.cat([x1 * cos_LxK2 - x2 * sin_LxK2, x2 * cos_LxK2 + x1 * sin_LxK2], dim=-1)
-
-
-class TorchBlock(nn.Module):
-    """One layer: attention then SwiGLU, each with a residual and RMSNorm (post or pre)."""
-
-    def __init__(self, spec: ModelSpec):
-        super().__init__()
-        d = spec.d_model
-        self.spec = spec
-        self.qkv = nn.Linear(d, 3 * d, bias=False)
-        self.out = nn.Linear(d, d, bias=False)
-        self.gate_up = nn.Linear(d, 2 * spec.d_ff, bias=False)
-        self.down = nn.Linear(spec.d_ff, d, bias=False)
-        self.norm_attn = nn.RMSNorm(d, eps=spec.norm_eps)
-        self.norm_ffn = nn.RMSNorm(d, eps=spec.norm_eps)
-
-    def attention(self, x_BxLxD: torch.Tensor, rope: tuple | None) -> torch.Tensor:
-        batch, length, d = x_BxLxD.shape
-        heads = self.spec.n_heads
-        qkv = self.qkv(x_BxLxD).view(batch, length, 3, heads, d // heads).permute(2, 0, 3, 1, 4)
-        q_BxHxLxK, k_BxHxLxK, v_BxHxLxK = qkv.unbind(0)
-        if rope is not None:
-            q_BxHxLxK, k_BxHxLxK = rotate(q_BxHxLxK, *rope), rotate(k_BxHxLxK, *rope)
-        out_BxHxLxK = functional.scaled_dot_product_attention(q_BxHxLxK, k_BxHxLxK, v_BxHxLxK,
-                                                     is_causal=True)
-        return self.out(out_BxHxLxK.transpose(1, 2).reshape(batch, length, d))
-
-    def ffn(self, x_BxLxD: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x_BxLxD).chunk(2, dim=-1)
-        return self.down(functional.silu(gate) * up)
-
-    def forward(self, x_BxLxD: torch.Tensor, rope: tuple | None) -> torch.Tensor:
-        if self.spec.norm == "post":
-            x_BxLxD = self.norm_attn(x_BxLxD + self.attention(x_BxLxD, rope))
-            return self.norm_ffn(x_BxLxD + self.ffn(x_BxLxD))
-        x_BxLxD = x_BxLxD + self.attention(self.norm_attn(x_BxLxD), rope)
-        return x_BxLxD + self.ffn(self.norm_ffn(x_BxLxD))
-
-
-class TorchDecoder(nn.Module):
-    """Embedding -> n_layers x TorchBlock -> [final norm] -> LM head, like ``Decoder``."""
-
-    def __init__(self, spec: ModelSpec):
-        super().__init__()
-        self.spec = spec
-        self.embedding = nn.Embedding(spec.vocab_size, spec.d_model)
-        self.blocks = nn.ModuleList(TorchBlock(spec) for _ in range(spec.n_layers))
-        self.final_norm = (nn.RMSNorm(spec.d_model, eps=spec.norm_eps) if spec.norm == "pre"
-                           else None)
-        self.lm_head = None if spec.tie_embeddings else nn.Linear(spec.d_model, spec.vocab_size,
-                                                                  bias=False)
-        if spec.positions == "rope":
-            cos, sin = rotary_tables(spec.max_len, spec.d_model // spec.n_heads, spec.rope_base)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
-
-    def forward(self, tokens_BxL: torch.Tensor) -> torch.Tensor:
-        length = tokens_BxL.shape[1]
-        rope = None
-        if self.spec.positions == "rope":
-            rope = (self.rope_cos[:length], self.rope_sin[:length])
-        x_BxLxD = self.embedding(tokens_BxL)
-        for block in self.blocks:
-            x_BxLxD = block(x_BxLxD, rope)
-        if self.final_norm is not None:
-            x_BxLxD = self.final_norm(x_BxLxD)
-        if self.lm_head is None:
-            return x_BxLxD @ self.embedding.weight.T / self.spec.d_model**0.5
-        return self.lm_head(x_BxLxD)
-
-
-def load_jax_params(model: TorchDecoder, params: dict) -> None:
-    """Copy ``Decoder`` parameters (``[fan_in, fan_out]``, layers stacked) into ``model``."""
-    p = jax.tree.map(np.array, meta.unbox(params))  # writable copies, as torch expects
-    layers = p["layers"]
-
-    def linear(*kernels_IxO: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.concatenate(kernels_IxO, axis=1).T.copy())
-
-    with torch.no_grad():
-        model.embedding.weight.copy_(torch.from_numpy(p["embedding"]))
-        for i, block in enumerate(model.blocks):
-            attn, ffn = layers["attn"], layers["ffn"]
-            block.qkv.weight.copy_(linear(attn["w_q"][i], attn["w_k"][i], attn["w_v"][i]))
-            block.out.weight.copy_(linear(attn["w_o"][i]))
-            block.gate_up.weight.copy_(linear(ffn["w_gate"][i], ffn["w_up"][i]))
-            block.down.weight.copy_(linear(ffn["w_down"][i]))
-            block.norm_attn.weight.copy_(torch.from_numpy(layers["norm_attn"]["scale"][i]))
-            block.norm_ffn.weight.copy_(torch.from_numpy(layers["norm_ffn"]["scale"][i]))
-        if model.final_norm is not None:
-            model.final_norm.weight.copy_(torch.from_numpy(p["final_norm"]["scale"]))
-        if model.lm_head is not None:
-            model.lm_head.weight.copy_(linear(p["lm_head"]))
-
-
-def max_relative_difference(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
-
-
-def equivalence(spec: ModelSpec, model: TorchDecoder, tokens: np.ndarray, seed: int) -> dict:
-    """Loss and gradients of both models from the same parameters, on one batch."""
-    jax_model = Decoder(spec)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    params = jax_model.init(jax.random.key(seed), inputs)["params"]
-    load_jax_params(model, params)
-
-    def loss_fn(p):
-        return cross_entropy(jax_model.apply({"params": p}, inputs), targets)
-
-    jax_loss, jax_grads = jax.value_and_grad(loss_fn)(params)
-    jax_grads = jax.tree.map(np.asarray, meta.unbox(jax_grads))
-    model.zero_grad(set_to_none=True)
-    torch_loss = train_loss(model, torch.from_numpy(tokens).long())
-    torch_loss.backward()
-    ffn = model.blocks[0].gate_up.weight.grad.numpy()
-    pairs = {
-        "embedding": (model.embedding.weight.grad.numpy(), jax_grads["embedding"]),
-        "layer0_w_q": (model.blocks[0].qkv.weight.grad.numpy()[: spec.d_model].T,
-                       jax_grads["layers"]["attn"]["w_q"][0]),
-        "layer0_w_gate": (ffn[: spec.d_ff].T, jax_grads["layers"]["ffn"]["w_gate"][0]),
-        "last_layer_w_down": (model.blocks[-1].down.weight.grad.numpy().T,
-                              jax_grads["layers"]["ffn"]["w_down"][-1]),
-        "last_layer_norm_ffn": (model.blocks[-1].norm_ffn.weight.grad.numpy(),
-                                jax_grads["layers"]["norm_ffn"]["scale"][-1]),
-    }
-    if model.lm_head is not None:
-        pairs["lm_head"] = (model.lm_head.weight.grad.numpy().T, jax_grads["lm_head"])
-    model.zero_grad(set_to_none=True)
-    return {"jax_loss": float(jax_loss), "torch_loss": float(torch_loss.detach()),
-            "grad_max_relative_difference": {k: max_relative_difference(t, j)
-                                             for k, (t, j) in pairs.items()}}
-
-
-def train_loss(model: nn.Module, tokens_BxL1: torch.Tensor) -> torch.Tensor:
-    logits = model(tokens_BxL1[:, :-1])
-    return functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                    tokens_BxL1[:, 1:].reshape(-1))
-
-
-def make_optimizer(model: TorchDecoder,
-                   opt_cfg: ml_collections.ConfigDict) -> torch.optim.Optimizer:
-    """Fused AdamW with the config's betas, eps and decay on the weight matrices only."""
-    matrices = [p for n, p in model.named_parameters() if n.endswith("weight") and p.ndim == 2
-                and (opt_cfg.decay_norms_and_embeddings or not n.startswith("embedding"))]
-    chosen = {id(p) for p in matrices}
-    others = [p for p in model.parameters() if id(p) not in chosen]
-    groups = [{"params": matrices, "weight_decay": opt_cfg.weight_decay},
-              {"params": others, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=opt_cfg.lr, betas=(opt_cfg.b1, opt_cfg.b2),
-                             eps=opt_cfg.eps, fused=True)
-
 
 def profile_step(step_fn: Callable[[], None], top: int) -> dict:
     """Self CPU seconds of one step's ops (``torch.profiler``), the ``top`` largest by name."""
@@ -247,10 +74,16 @@ def main(_):
     check_model(config)
     check_opt(config)
     check_backend(config, platform=jax.default_backend())
+    if jax.default_backend() != "cpu":
+        raise app.UsageError(f"JAX runs on {jax.default_backend()}: the PyTorch reference "
+                             "times CPU against CPU; hide the accelerator (JAX_PLATFORMS=cpu)")
     vocab = FLAGS.vocab_size or config.data.vocab_size
     seq_len, batch_size = config.data.seq_len, config.data.batch_size
     spec = ModelSpec.from_config(config.model, vocab_size=vocab, max_len=seq_len)
-    check_supported(spec)
+    try:
+        check_supported(spec)
+    except ValueError as error:
+        raise app.UsageError(str(error)) from error
     if config.opt.clip_norm:
         raise app.UsageError("opt.clip_norm: the PyTorch reference step has no clipping; set 0")
 
@@ -277,7 +110,8 @@ def main(_):
     jax_matmul = jax.jit(lambda x: x @ x).lower(a_jax).compile()
     a_torch = torch.randn(PEAK_SIZE, PEAK_SIZE)
 
-    def torch_timed(fn) -> float:
+    def torch_timed(fn: Callable[[], object]) -> float:
+        """Seconds of one call; PyTorch's CPU ops return when done, so no sync is needed."""
         start = time.perf_counter()
         fn()
         return time.perf_counter() - start
