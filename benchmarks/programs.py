@@ -91,6 +91,12 @@ class Program:
             self.args = (result[0],) + self.args[1:]
 
 
+def random_tokens(config: ml_collections.ConfigDict, vocab: int) -> np.ndarray:
+    """The benchmarks' batch: [batch_size, seq_len + 1] tokens, inputs and targets shifted."""
+    shape = (config.data.batch_size, config.data.seq_len + 1)
+    return np.random.default_rng(0).integers(0, vocab, shape, np.int32)
+
+
 def build_programs(config: ml_collections.ConfigDict, names: list[str],
                    vocab: int) -> tuple[dict[str, Program], dict]:
     """The programs in ``names`` order (from ``PROGRAMS``), and a description of the model and
@@ -98,7 +104,7 @@ def build_programs(config: ml_collections.ConfigDict, names: list[str],
     seq_len, batch_size = config.data.seq_len, config.data.batch_size
     spec = ModelSpec.from_config(config.model, vocab_size=vocab, max_len=seq_len)
     mesh = make_mesh(config.mesh)
-    tokens = np.random.default_rng(0).integers(0, vocab, (batch_size, seq_len + 1), np.int32)
+    tokens = random_tokens(config, vocab)
     batch = {k: jax.device_put(v, batch_sharding(mesh))
              for k, v in (("inputs", tokens[:, :-1]), ("targets", tokens[:, 1:]))}
     n_tokens = batch_size * seq_len

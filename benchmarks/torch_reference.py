@@ -30,12 +30,17 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import torch
 from absl import app, flags
 from ml_collections import config_flags
 
-from benchmarks.programs import build_programs, minor_page_faults, timed, transparent_hugepage_mode
+from benchmarks.programs import (
+    build_programs,
+    minor_page_faults,
+    random_tokens,
+    timed,
+    transparent_hugepage_mode,
+)
 from benchmarks.torch_model import (
     TorchDecoder,
     check_supported,
@@ -89,7 +94,7 @@ def main(_):
 
     torch.manual_seed(config.seed)
     model = TorchDecoder(spec)
-    tokens = np.random.default_rng(0).integers(0, vocab, (batch_size, seq_len + 1), np.int32)
+    tokens = random_tokens(config, vocab)
     check = equivalence(spec, model, tokens, config.seed)
     worst = max(check["grad_max_relative_difference"].values())
     if abs(check["torch_loss"] - check["jax_loss"]) > 1e-5 * check["jax_loss"] or worst > 1e-3:
@@ -104,7 +109,8 @@ def main(_):
         optimizer.step()
 
     step_fn = torch.compile(torch_step) if FLAGS.torch_compile else torch_step
-    jax_train = build_programs(config, ["train"], vocab)[0]["train"]
+    programs, model_info = build_programs(config, ["train"], vocab)
+    jax_train = programs["train"]
 
     a_jax = jax.random.normal(jax.random.key(1), (PEAK_SIZE, PEAK_SIZE), jnp.float32)
     jax_matmul = jax.jit(lambda x: x @ x).lower(a_jax).compile()
@@ -151,9 +157,7 @@ def main(_):
                         "remat": spec.remat, "version": jax.__version__})
     profile = profile_step(step_fn, FLAGS.profile_ops) if FLAGS.profile_ops else None
     print(json.dumps({
-        "model": {"n_layers": spec.n_layers, "d_model": spec.d_model, "d_ff": spec.d_ff,
-                  "n_heads": spec.n_heads, "vocab_size": vocab, "seq_len": seq_len,
-                  "batch_size": batch_size, "norm": spec.norm, "model_gflop": flops / 1e9},
+        "model": {**model_info, "model_gflop": flops / 1e9},
         "repeats": FLAGS.repeats, "transparent_hugepages": transparent_hugepage_mode(),
         "equivalence": check, "jax": jax_summary,
         "torch": torch_summary,

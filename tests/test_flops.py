@@ -53,4 +53,3 @@ def test_bench_script_reports_every_program_and_variant():
     assert report["transparent_hugepages"] in (None, "always", "madvise", "never")
     first = report["variants"]["model.remat=none"]["programs"]["train"]
     assert first["time_vs_first_variant"] == 1.0
-
