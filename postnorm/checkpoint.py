@@ -13,7 +13,8 @@ Thin wrapper around an orbax ``CheckpointManager``. On-disk layout::
 
 A save is written into ``<step>.orbax-checkpoint-tmp`` and renamed to ``<step>`` only once
 every item has been written, so a crash mid-save never yields a partial "latest" checkpoint.
-Stale tmp directories are deleted (in the background) when a ``Checkpointer`` is created.
+Stale tmp directories are deleted (in the background) when a ``Checkpointer`` is created;
+``close`` waits for that deletion to finish.
 
 A restore verifies the arrays against the saved checksums (orbax itself reads garbled array
 data without complaint). A step that cannot be read or does not match is logged and the next
@@ -193,8 +194,14 @@ class Checkpointer:
             raise self._write_error(e) from e
 
     def close(self) -> None:
-        """Waits for pending saves and releases the manager's resources."""
+        """Waits for pending saves and the stale-tmp cleanup; releases the manager's resources.
+
+        Orbax's ``CheckpointManager.close`` does not wait for the cleanup it started at
+        construction (only ``save`` does), so without the wait a directory could still be
+        being deleted after ``close`` returns (an unmount then fails with "target is busy").
+        """
         try:
+            self._manager._maybe_await_cleanup_tmp_directory()
             self._manager.close()
         except (OSError, ValueError) as e:
             raise self._write_error(e) from e

@@ -159,6 +159,17 @@ def test_unfinalized_checkpoint_is_never_latest(tmp_path: Path) -> None:
     assert _step_dirs(directory) == ["1", "2", "3"]
 
 
+def test_close_waits_for_the_stale_tmp_cleanup(tmp_path: Path) -> None:
+    directory = tmp_path / "checkpoints"
+    stale = directory / f"7{TMP_SUFFIX}" / "state"
+    stale.mkdir(parents=True)
+    for i in range(3000):  # enough files that deleting them outlasts an unwaited close()
+        (stale / f"chunk_{i}").write_bytes(b"x")
+    ckpt = Checkpointer(str(directory), save_every=1, keep=2)
+    ckpt.close()
+    assert _step_dirs(directory) == []
+
+
 def test_keeps_only_last_checkpoints(tmp_path: Path) -> None:
     directory = tmp_path / "checkpoints"
     it = _data_iter()
