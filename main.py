@@ -23,6 +23,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from postnorm import train
+from postnorm.allocator import AllocatorError, use_allocator
 from postnorm.checkpoint import CheckpointError
 from postnorm.data import DataError
 from postnorm.data.tokenizers import read_user_sentencepiece
@@ -31,7 +32,7 @@ from postnorm.nonfinite import NonFiniteError
 from postnorm.plots import render_run_plots
 from postnorm.preemption import Preempted
 from postnorm.report import write_report
-from postnorm.validation import ConfigError, check_model
+from postnorm.validation import ConfigError, check_model, check_runtime
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/default.py:pre.",
@@ -82,7 +83,7 @@ def main(argv: list[str]) -> None:
         run(argv)
     except Preempted as stop:
         print(f"postnorm: {stop}", file=sys.stderr)
-    except (ConfigError, DataError, CheckpointError) as err:
+    except (ConfigError, AllocatorError, DataError, CheckpointError) as err:
         print(f"postnorm: error: {err}", file=sys.stderr)
         sys.exit(2)
     except NonFiniteError as err:
@@ -106,10 +107,12 @@ def run(argv: list[str]) -> None:
     if FLAGS.mode == "report":
         print(write_report(FLAGS.workdir, json.loads(config.to_json_best_effort())))
         return
+    check_runtime(config)
+    allocator = use_allocator(config.runtime.allocator)  # may re-execute this command
     init_distributed()
-    logging.info("JAX %s: process %d of %d, %d local / %d global devices: %s", jax.__version__,
-                 jax.process_index(), jax.process_count(), jax.local_device_count(),
-                 jax.device_count(), jax.devices())
+    logging.info("JAX %s: process %d of %d, %d local / %d global devices: %s; allocator: %s",
+                 jax.__version__, jax.process_index(), jax.process_count(),
+                 jax.local_device_count(), jax.device_count(), jax.devices(), allocator)
     if FLAGS.mode == "train":
         train.train_and_evaluate(config, FLAGS.workdir)
     else:

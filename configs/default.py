@@ -69,6 +69,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.diag = ml_collections.ConfigDict()
     c.diag.every = 10  # diag_step (per-layer statistics) runs at step 1 and every `every` steps
 
+    c.runtime = ml_collections.ConfigDict()
+    # auto | system | tcmalloc: tcmalloc (preloaded by re-executing the command) keeps XLA's
+    # per-call temporaries mapped; auto uses it when the library is installed
+    c.runtime.allocator = "auto"
+
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # -1: all devices not used by fsdp and tensor
     c.mesh.fsdp = 1

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import jax
 import ml_collections
 
+from postnorm.allocator import ALLOCATORS
 from postnorm.data import check_data_config
 from postnorm.initializers import INIT_SCHEMES
 from postnorm.layers import ATTENTION_KERNELS
@@ -151,12 +152,18 @@ def check_backend(config: ml_collections.ConfigDict, *, platform: str) -> None:
                           "set model.attention=xla or einsum")
 
 
+def check_runtime(config: ml_collections.ConfigDict) -> None:
+    """Process settings: the heap allocator (``postnorm.allocator``)."""
+    _one_of(config, "runtime.allocator", ALLOCATORS)
+
+
 def check_config(config: ml_collections.ConfigDict, *, device_count: int,
                  process_count: int = 1, platform: str | None = None) -> None:
     """Validate every field the trainer reads (data fields: ``postnorm.data``).
 
     ``platform`` defaults to the running JAX backend.
     """
+    check_runtime(config)
     check_model(config)
     check_backend(config, platform=platform or jax.default_backend())
     check_opt(config)

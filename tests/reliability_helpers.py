@@ -34,6 +34,7 @@ def tiny_overrides(corpus: Path, data_dir: Path, **overrides) -> dict[str, objec
         "data.data_dir": str(data_dir), "data.tokenizer": "byte", "data.seq_len": 32,
         "data.batch_size": 8, "opt.lr": 3e-3, "opt.warmup_steps": 2, "train.steps": 20,
         "train.log_every": 1, "train.eval_every": 10, "train.eval_batches": 1,
+        "runtime.allocator": "system",  # no re-execution; tests/test_allocator.py covers it
     }
     fields.update({key.replace("__", "."): value for key, value in overrides.items()})
     return fields

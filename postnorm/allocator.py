@@ -1,0 +1,87 @@
+"""The process's heap allocator (``runtime.allocator``): glibc's, or tcmalloc preloaded.
+
+XLA's CPU runtime allocates each call's temporary buffer (200 MB for the default config's train
+step) from a worker thread. glibc serves an allocation that large with a fresh ``mmap`` and
+returns it with ``munmap`` on free, so every call faults the whole buffer in again, page by
+page. tcmalloc keeps freed spans and hands them out again. A running process cannot switch
+allocators, so choosing tcmalloc re-executes the same command with the library in
+``LD_PRELOAD``; the numbers computed do not change, only the time (docs/PERFORMANCE.md).
+
+Choices: ``system`` keeps the allocator the process started with; ``tcmalloc`` requires the
+library and stops with an ``AllocatorError`` naming the fix when it is missing; ``auto`` uses it
+when found and otherwise stays on the system allocator.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+ALLOCATORS = ("auto", "system", "tcmalloc")
+TCMALLOC_LIBRARIES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
+LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64",
+                "/usr/lib", "/usr/local/lib")
+# gperftools reports every allocation above 1 GiB on stderr by default; the paper-scale
+# programs' temporaries are larger than that on every call.
+QUIET_LARGE_ALLOCATIONS = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 62)}
+
+
+class AllocatorError(RuntimeError):
+    """``runtime.allocator`` cannot be honoured; the message names the field and the fix."""
+
+
+def loaded_allocator(maps: Path = Path("/proc/self/maps")) -> str:
+    """``tcmalloc`` if a tcmalloc library is mapped into this process, else ``system``."""
+    try:
+        text = maps.read_text()
+    except OSError:
+        return "system"
+    return "tcmalloc" if "/libtcmalloc" in text else "system"
+
+
+def find_tcmalloc(directories: Sequence[str] = LIBRARY_DIRS) -> str | None:
+    """Path of the first tcmalloc library in ``directories``, or None."""
+    for directory in directories:
+        for name in TCMALLOC_LIBRARIES:
+            path = os.path.join(directory, name)
+            if os.path.isfile(path):
+                return path
+    return None
+
+
+def preload_command(library: str, environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """This process's command line (interpreter options included) and ``environ`` with
+    ``library`` first in ``LD_PRELOAD``."""
+    preload = " ".join(filter(None, (library, environ.get("LD_PRELOAD", ""))))
+    return ([sys.executable, *sys.orig_argv[1:]],
+            {**QUIET_LARGE_ALLOCATIONS, **environ, "LD_PRELOAD": preload})
+
+
+def use_allocator(choice: str, directories: Sequence[str] = LIBRARY_DIRS) -> str:
+    """Returns the allocator in use, after re-executing this process under tcmalloc if
+    ``choice`` asks for it and it is not loaded yet. Call before any JAX computation."""
+    if choice not in ALLOCATORS:
+        raise AllocatorError(f"runtime.allocator={choice!r} is invalid: must be one of "
+                             f"{list(ALLOCATORS)}")
+    current = loaded_allocator()
+    if choice == "system" or current == "tcmalloc":
+        return current
+    library = find_tcmalloc(directories)
+    if library is None:
+        if choice == "auto":
+            return current
+        raise AllocatorError(
+            f"runtime.allocator='tcmalloc', but none of {list(TCMALLOC_LIBRARIES)} is in "
+            f"{list(directories)}. Install it (Debian/Ubuntu: apt install libtcmalloc-minimal4) "
+            "or set runtime.allocator=auto or system")
+    if library in os.environ.get("LD_PRELOAD", "").split():
+        # Already re-executed once and the loader still did not map it: do not loop.
+        raise AllocatorError(
+            f"runtime.allocator={choice!r}: {library} is in LD_PRELOAD but was not loaded "
+            "(see the loader's message above); set runtime.allocator=system")
+    argv, env = preload_command(library, dict(os.environ))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(argv[0], argv, env)  # replaces this process; raises OSError if it cannot
