@@ -26,9 +26,11 @@ timing ends with a device sync. Model FLOPs follow ``postnorm.flops``; MFU is th
 model FLOP/s over the median measured peak (and, with ``--nominal_peak_tflops``, also over a
 datasheet peak). Memory: XLA's memory analysis of each compiled program, and
 the process's resident set (current, and lifetime peak including compilation). Also the minor
-page faults of each call (median, ``minor_page_faults``) and the kernel's transparent huge page
-mode (``transparent_hugepages``): XLA's CPU runtime maps each call's temporaries afresh, so
-they fault page by page (docs/PERFORMANCE.md). Prints JSON.
+page faults of each call (median, ``minor_page_faults``), the kernel's transparent huge page
+mode (``transparent_hugepages``) and the heap allocator (``allocator``, from the config's
+``runtime.allocator``; the same for every variant): under glibc's allocator XLA's CPU runtime
+maps each call's temporaries afresh, so they fault page by page (docs/PERFORMANCE.md). Prints
+JSON.
 """
 
 import copy
@@ -50,8 +52,15 @@ from benchmarks.programs import (
     timed,
     transparent_hugepage_mode,
 )
+from postnorm.allocator import use_allocator
 from postnorm.config_args import apply_arg
-from postnorm.validation import check_backend, check_layout, check_model, check_opt
+from postnorm.validation import (
+    check_backend,
+    check_layout,
+    check_model,
+    check_opt,
+    check_runtime,
+)
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 flags.DEFINE_list("programs", ["train", "diag"], f"Programs to time, from {list(PROGRAMS)}.")
@@ -69,9 +78,14 @@ def main(_):
     unknown = sorted(set(FLAGS.programs) - set(PROGRAMS))
     if unknown:
         raise app.UsageError(f"--programs: unknown {unknown}; choose from {list(PROGRAMS)}")
+    check_runtime(FLAGS.config)
+    allocator = use_allocator(FLAGS.config.runtime.allocator)  # may re-execute this command
     variants, models = {}, {}
     for overrides in FLAGS.variant:
         config = apply_arg(copy.deepcopy(FLAGS.config), overrides, {})
+        if config.runtime != FLAGS.config.runtime:
+            raise app.UsageError(f"--variant={overrides!r}: runtime.* is one per process; "
+                                 "compare it in separate runs (--config FILE:runtime.allocator=X)")
         check_model(config)  # the data fields are not read: the batches are random tokens
         check_opt(config)
         check_layout(config, device_count=jax.device_count(), process_count=1)
@@ -115,6 +129,7 @@ def main(_):
     print(json.dumps({
         "platform": jax.default_backend(), "devices": jax.device_count(),
         "repeats": FLAGS.repeats, "transparent_hugepages": transparent_hugepage_mode(),
+        "allocator": allocator,
         "peak": {"matmul_size": n, "dtype": FLAGS.peak_dtype,
                  "median_s": statistics.median(peak_times), "gflop_s": peak_flops_s / 1e9},
         "variants": results,

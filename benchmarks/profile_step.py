@@ -26,6 +26,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from postnorm.allocator import use_allocator
 from postnorm.model import ModelSpec
 from postnorm.optim import make_optimizer
 from postnorm.sharding import batch_sharding, make_mesh
@@ -55,6 +56,7 @@ def op_group(op_name: str, hlo_name: str) -> tuple[str, str, str]:
 
 def main(_):
     config = FLAGS.config
+    allocator = use_allocator(config.runtime.allocator)  # may re-execute this command
     spec = ModelSpec.from_config(config.model, vocab_size=config.data.vocab_size,
                                  max_len=config.data.seq_len)
     mesh = make_mesh(config.mesh)
@@ -92,7 +94,7 @@ def main(_):
     summed = sum(totals.values())
     print(json.dumps({
         "step_wall_s": wall, "summed_op_s": summed / 1e6, "trace": path,
-        "cpus": len(os.sched_getaffinity(0)),
+        "cpus": len(os.sched_getaffinity(0)), "allocator": allocator,
         "groups_s": {k: round(v / 1e6, 4) for k, v in totals.most_common()},
         "groups_share": {k: round(v / summed, 4) for k, v in totals.most_common()},
     }, indent=2))

@@ -18,8 +18,9 @@ two timings are of the same network. Repeats are
 interleaved (JAX peak matmul, PyTorch peak matmul, JAX step, PyTorch step); MFU counts the
 model FLOPs of ``postnorm.flops`` against each framework's own fastest 2048² float32 matmul
 of that repeat. Both steps' minor page faults per call and the kernel's transparent huge page
-mode are reported too (``benchmarks.programs.transparent_hugepage_mode``); ``--profile_ops``
-adds the largest ops of one profiled PyTorch step. Prints JSON.
+mode are reported too (``benchmarks.programs.transparent_hugepage_mode``), and the heap
+allocator both run on (``allocator``, from ``runtime.allocator``); ``--profile_ops`` adds the
+largest ops of one profiled PyTorch step. Prints JSON.
 """
 
 import collections
@@ -48,6 +49,7 @@ from benchmarks.torch_model import (
     make_optimizer,
     train_loss,
 )
+from postnorm.allocator import use_allocator
 from postnorm.flops import train_flops_per_token
 from postnorm.model import ModelSpec
 from postnorm.validation import check_backend, check_model, check_opt
@@ -76,6 +78,7 @@ def profile_step(step_fn: Callable[[], None], top: int) -> dict:
 
 def main(_):
     config = FLAGS.config
+    allocator = use_allocator(config.runtime.allocator)  # may re-execute this command
     check_model(config)
     check_opt(config)
     check_backend(config, platform=jax.default_backend())
@@ -159,7 +162,7 @@ def main(_):
     print(json.dumps({
         "model": {**model_info, "model_gflop": flops / 1e9},
         "repeats": FLAGS.repeats, "transparent_hugepages": transparent_hugepage_mode(),
-        "equivalence": check, "jax": jax_summary,
+        "allocator": allocator, "equivalence": check, "jax": jax_summary,
         "torch": torch_summary,
         "torch_time_vs_jax": torch_summary["median_s"] / jax_summary["median_s"],
         "torch_profile": profile,
