@@ -9,9 +9,12 @@ of the config's model without loading data).
 Multi-process runs pass ``--coordinator_address HOST:PORT --num_processes N --process_id I``
 to every process (``jax.distributed.initialize`` is called only when they are given).
 
+``runtime.allocator`` (``postnorm.allocator``) may re-execute the command once, with tcmalloc
+preloaded, before anything is computed.
+
 Exit status: 0 when done or preempted (SIGTERM: a checkpoint was saved; rerun to resume),
-1 for bad flags, 2 for a config, data or checkpoint error, 3 when a non-finite step stopped
-training.
+1 for bad flags, 2 for a config, allocator, data or checkpoint error, 3 when a non-finite step
+stopped training.
 """
 
 import json

@@ -21,6 +21,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from postnorm.allocator import use_allocator
 from postnorm.model import ModelSpec
 from postnorm.optim import make_optimizer
 from postnorm.sharding import batch_sharding, make_mesh
@@ -42,6 +43,7 @@ def memory(compiled) -> dict[str, int]:
 
 def main(_):
     config = FLAGS.config
+    use_allocator(config.runtime.allocator)  # may re-execute this command
     spec = ModelSpec.from_config(config.model, vocab_size=FLAGS.vocab_size,
                                  max_len=config.data.seq_len)
     mesh = make_mesh(config.mesh)

@@ -31,6 +31,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from postnorm import collapsed_net
+from postnorm.allocator import use_allocator
 from postnorm.collapse import Collapse, detect_collapse
 from postnorm.collapse_plots import plot_loss_runs, render_collapse_figures
 from postnorm.data import load_data
@@ -187,6 +188,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if FLAGS.out_dir is None:
         raise app.UsageError("--out_dir is required")
+    use_allocator(FLAGS.config.runtime.allocator)  # may re-execute this command
     start = time.perf_counter()
     out_dir = os.path.abspath(FLAGS.out_dir)
     fig_dir = os.path.join(out_dir, "figures")

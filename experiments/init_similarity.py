@@ -44,6 +44,7 @@ from absl import app, flags, logging
 
 from configs import default, paper
 from postnorm import theory, theory_mc
+from postnorm.allocator import use_allocator
 from postnorm.data import load_data
 from postnorm.initializers import INIT_SCHEMES, embedding_init
 from postnorm.model import ModelSpec
@@ -364,6 +365,7 @@ def main(argv: list[str]) -> None:
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     start = time.perf_counter()
     config = build_config(FLAGS.n_layers, FLAGS.seq_len, FLAGS.init)
+    use_allocator(config.runtime.allocator)  # may re-execute this command
     results, figures, amt = run(config, seeds=FLAGS.seeds, norms=FLAGS.norms,
                                 inputs=FLAGS.inputs, ablation=FLAGS.ablation,
                                 uniform_check=FLAGS.uniform_check, s_reading=FLAGS.s_reading)

@@ -23,6 +23,7 @@ import matplotlib
 import numpy as np
 from absl import app, flags, logging
 
+from postnorm.allocator import use_allocator
 from postnorm.data import load_data
 from postnorm.data.files import write_json_atomic
 from postnorm.run_record import is_finished, read_result, run_logged
@@ -153,6 +154,8 @@ def main(argv: list[str]) -> None:
     base_config, specs = plan_file(FLAGS.sweep)
     index, count = parse_shard(FLAGS.shard)
     extra = dict(item.split("=", 1) for item in FLAGS.override)
+    # One allocator for the whole process (it may re-execute this command).
+    use_allocator(extra.get("runtime.allocator", base_config.runtime.allocator))
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     if not FLAGS.report_only:
         run_sweep(base_config, shard(specs, index, count), FLAGS.out_dir, extra, FLAGS.workers)

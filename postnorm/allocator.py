@@ -7,9 +7,10 @@ page. tcmalloc keeps freed spans and hands them out again. A running process can
 allocators, so choosing tcmalloc re-executes the same command with the library in
 ``LD_PRELOAD``; the numbers computed do not change, only the time (docs/PERFORMANCE.md).
 
-Choices: ``system`` keeps the allocator the process started with; ``tcmalloc`` requires the
-library and stops with an ``AllocatorError`` naming the fix when it is missing; ``auto`` uses it
-when found and otherwise stays on the system allocator.
+Choices: ``system`` keeps the allocator the process started with (tcmalloc too, if a parent
+preloaded it); ``tcmalloc`` requires the library and stops with an ``AllocatorError`` naming
+the fix when it is missing or the loader ignores it; ``auto`` uses it when it can and
+otherwise stays on the system allocator.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from absl import logging
+
 ALLOCATORS = ("auto", "system", "tcmalloc")
 TCMALLOC_LIBRARIES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64",
@@ -26,6 +29,8 @@ LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr
 # gperftools reports every allocation above 1 GiB on stderr by default; the paper-scale
 # programs' temporaries are larger than that on every call.
 QUIET_LARGE_ALLOCATIONS = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 62)}
+# Set in the re-executed process's environment (to the preloaded library's path).
+REEXECUTED = "POSTNORM_ALLOCATOR_PRELOADED"
 
 
 class AllocatorError(RuntimeError):
@@ -53,10 +58,10 @@ def find_tcmalloc(directories: Sequence[str] = LIBRARY_DIRS) -> str | None:
 
 def preload_command(library: str, environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """This process's command line (interpreter options included) and ``environ`` with
-    ``library`` first in ``LD_PRELOAD``."""
+    ``library`` first in ``LD_PRELOAD`` and the re-execution marked (``REEXECUTED``)."""
     preload = " ".join(filter(None, (library, environ.get("LD_PRELOAD", ""))))
     return ([sys.executable, *sys.orig_argv[1:]],
-            {**QUIET_LARGE_ALLOCATIONS, **environ, "LD_PRELOAD": preload})
+            {**QUIET_LARGE_ALLOCATIONS, **environ, "LD_PRELOAD": preload, REEXECUTED: library})
 
 
 def use_allocator(choice: str, directories: Sequence[str] = LIBRARY_DIRS) -> str:
@@ -68,6 +73,15 @@ def use_allocator(choice: str, directories: Sequence[str] = LIBRARY_DIRS) -> str
     current = loaded_allocator()
     if choice == "system" or current == "tcmalloc":
         return current
+    if REEXECUTED in os.environ:  # re-executed once already: never loop
+        ignored = (f"{os.environ[REEXECUTED]} was preloaded, but the loader did not map it "
+                   "(see its message above, if any)")
+        if choice == "auto":
+            logging.warning("runtime.allocator='auto': %s; staying on the system allocator",
+                            ignored)
+            return current
+        raise AllocatorError(f"runtime.allocator='tcmalloc': {ignored}; set "
+                             "runtime.allocator=auto or system")
     library = find_tcmalloc(directories)
     if library is None:
         if choice == "auto":
@@ -76,12 +90,12 @@ def use_allocator(choice: str, directories: Sequence[str] = LIBRARY_DIRS) -> str
             f"runtime.allocator='tcmalloc', but none of {list(TCMALLOC_LIBRARIES)} is in "
             f"{list(directories)}. Install it (Debian/Ubuntu: apt install libtcmalloc-minimal4) "
             "or set runtime.allocator=auto or system")
-    if library in os.environ.get("LD_PRELOAD", "").split():
-        # Already re-executed once and the loader still did not map it: do not loop.
-        raise AllocatorError(
-            f"runtime.allocator={choice!r}: {library} is in LD_PRELOAD but was not loaded "
-            "(see the loader's message above); set runtime.allocator=system")
     argv, env = preload_command(library, dict(os.environ))
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(argv[0], argv, env)  # replaces this process; raises OSError if it cannot
+    try:
+        os.execve(argv[0], argv, env)  # replaces this process
+    except OSError as e:
+        raise AllocatorError(f"runtime.allocator={choice!r}: re-executing {argv[0]} with "
+                             f"{library} preloaded failed ({e}); set runtime.allocator=system"
+                             ) from e

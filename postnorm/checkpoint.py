@@ -201,7 +201,9 @@ class Checkpointer:
         being deleted after ``close`` returns (an unmount then fails with "target is busy").
         """
         try:
-            self._manager._maybe_await_cleanup_tmp_directory()
-            self._manager.close()
+            try:
+                self._manager._maybe_await_cleanup_tmp_directory()
+            finally:
+                self._manager.close()
         except (OSError, ValueError) as e:
             raise self._write_error(e) from e

@@ -1,7 +1,8 @@
 """Run a config in a workdir once: skip it when finished, resume it when partial, record the result.
 
 A run is **finished** when ``<workdir>/result.json`` (written atomically, last) exists, was
-written for the same config (sha256 of its canonical JSON), and either ended with status
+written for the same config (sha256 of its canonical JSON; process settings such as
+``runtime.allocator`` are not part of it), and either ended with status
 ``done`` while the newest finalized checkpoint is at ``train.steps``, or ended with status
 ``nonfinite`` (a NaN/Inf step stopped it under ``train.nonfinite=abort``: rerunning would repeat
 it). Anything else is rerun through the trainer, which resumes from the latest checkpoint.
@@ -28,9 +29,16 @@ RESULT_NAME = "result.json"
 TrainFn = Callable[[ml_collections.ConfigDict, str], object]
 
 
-def canonical_config(config: ml_collections.ConfigDict) -> dict:
-    """The config as plain JSON data (what ``train`` writes to ``config.json``)."""
-    return json.loads(config.to_json_best_effort())
+# Sections that choose how the process runs, not what it computes: left out of a run's
+# identity, so changing them (or a run recorded before they existed) is the same run.
+PROCESS_SECTIONS = ("runtime",)
+
+
+def canonical_config(config: ml_collections.ConfigDict | dict) -> dict:
+    """The config as plain JSON data (what ``train`` writes to ``config.json``), without
+    ``PROCESS_SECTIONS``."""
+    data = config if isinstance(config, dict) else json.loads(config.to_json_best_effort())
+    return {k: v for k, v in data.items() if k not in PROCESS_SECTIONS}
 
 
 def config_digest(config: ml_collections.ConfigDict) -> str:
@@ -73,10 +81,11 @@ def check_workdir_config(workdir: str, config: ml_collections.ConfigDict) -> Non
     if not os.path.exists(path):
         return
     with open(path) as f:
-        existing = json.load(f)
-    if existing != canonical_config(config):
-        changed = sorted(k for k in set(existing) | set(canonical_config(config))
-                         if existing.get(k) != canonical_config(config).get(k))
+        existing = canonical_config(json.load(f))
+    wanted = canonical_config(config)
+    if existing != wanted:
+        changed = sorted(k for k in set(existing) | set(wanted)
+                         if existing.get(k) != wanted.get(k))
         raise ValueError(f"{workdir} holds a run of a different config (sections {changed} "
                          "differ); use a new output directory or move the old run aside")
 

@@ -1,5 +1,6 @@
 """runtime.allocator: finding tcmalloc, re-executing under it, and the errors when it cannot."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from postnorm.allocator import (
+    REEXECUTED,
     TCMALLOC_LIBRARIES,
     AllocatorError,
     find_tcmalloc,
@@ -26,6 +28,15 @@ from tests.reliability_helpers import (
 needs_tcmalloc = pytest.mark.skipif(
     find_tcmalloc() is None,
     reason="no tcmalloc library installed (Debian/Ubuntu: apt install libtcmalloc-minimal4)")
+
+
+@pytest.fixture(autouse=True)
+def no_exec_of_pytest(monkeypatch):
+    """An in-process call that would re-execute fails the test instead of replacing pytest."""
+    def refuse(*args):
+        raise AssertionError(f"os.execve{args[:2]}")
+    monkeypatch.setattr(os, "execve", refuse)
+    monkeypatch.delenv(REEXECUTED, raising=False)
 
 
 def _fake_library(directory: Path) -> str:
@@ -53,10 +64,17 @@ def test_find_tcmalloc_takes_the_first_directory_that_has_it(tmp_path):
     assert find_tcmalloc([str(tmp_path / "a"), str(tmp_path / "b")]) == first
 
 
-def test_preload_command_keeps_the_command_and_the_users_preloads():
+@pytest.mark.parametrize("orig_argv", [
+    ["python3", "main.py", "--config", "configs/default.py", "--workdir", "w"],
+    ["python3", "-m", "benchmarks.bench", "--programs", "train"],
+    ["python3", "-u", "-c", "print(1)", "x"],
+])
+def test_preload_command_repeats_the_command_with_the_users_preloads(orig_argv, monkeypatch):
+    monkeypatch.setattr(sys, "orig_argv", orig_argv)
     argv, env = preload_command("/lib/tc.so", {"LD_PRELOAD": "/lib/mine.so", "HOME": "/h"})
-    assert argv == [sys.executable, *sys.orig_argv[1:]]
+    assert argv == [sys.executable, *orig_argv[1:]]
     assert env["LD_PRELOAD"] == "/lib/tc.so /lib/mine.so" and env["HOME"] == "/h"
+    assert env[REEXECUTED] == "/lib/tc.so"
     assert int(env["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"]) >= 1 << 40
     _, env = preload_command("/lib/tc.so", {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": "5"})
     assert env["LD_PRELOAD"] == "/lib/tc.so" and env["TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD"] == "5"
@@ -74,12 +92,35 @@ def test_missing_library_is_an_error_for_tcmalloc_and_not_for_auto(tmp_path, mon
         use_allocator("jemalloc", empty)
 
 
-def test_a_preload_the_loader_ignored_stops_instead_of_re_executing_again(tmp_path, monkeypatch):
+def test_a_preload_the_loader_ignored_is_not_retried(tmp_path, monkeypatch):
     monkeypatch.setattr("postnorm.allocator.loaded_allocator", lambda: "system")
     library = _fake_library(tmp_path)
-    monkeypatch.setenv("LD_PRELOAD", library)
-    with pytest.raises(AllocatorError, match="is in LD_PRELOAD but was not loaded"):
+    monkeypatch.setenv(REEXECUTED, library)  # as in the re-executed process
+    assert use_allocator("auto", [str(tmp_path)]) == "system"
+    with pytest.raises(AllocatorError, match="was preloaded, but the loader did not map it"):
+        use_allocator("tcmalloc", [str(tmp_path)])
+
+
+def test_a_failed_re_execution_is_an_allocator_error(tmp_path, monkeypatch):
+    monkeypatch.setattr("postnorm.allocator.loaded_allocator", lambda: "system")
+    library = _fake_library(tmp_path)
+
+    def fail(path, argv, env):
+        assert env["LD_PRELOAD"].split()[0] == library and env[REEXECUTED] == library
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(os, "execve", fail)
+    with pytest.raises(AllocatorError, match="re-executing .* failed .*Permission denied"):
         use_allocator("auto", [str(tmp_path)])
+
+
+def test_bench_variants_cannot_change_the_allocator():
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench", "--config",
+         "configs/default.py:runtime.allocator=system", "--variant", "runtime.allocator=auto"],
+        cwd=REPO, capture_output=True, text=True, timeout=120, env={**os.environ,
+                                                                     "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 1
+    assert "runtime.* is one per process" in result.stderr
 
 
 @needs_tcmalloc

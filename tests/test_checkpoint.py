@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ import optax
 import pytest
 from flax.training.train_state import TrainState
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from orbax.checkpoint._src.path import async_path  # orbax's tmp-directory cleanup calls this
 
 from postnorm.checkpoint import Checkpointer, CheckpointError
 
@@ -159,12 +161,16 @@ def test_unfinalized_checkpoint_is_never_latest(tmp_path: Path) -> None:
     assert _step_dirs(directory) == ["1", "2", "3"]
 
 
-def test_close_waits_for_the_stale_tmp_cleanup(tmp_path: Path) -> None:
+def test_close_waits_for_the_stale_tmp_cleanup(tmp_path: Path, monkeypatch) -> None:
     directory = tmp_path / "checkpoints"
-    stale = directory / f"7{TMP_SUFFIX}" / "state"
-    stale.mkdir(parents=True)
-    for i in range(3000):  # enough files that deleting them outlasts an unwaited close()
-        (stale / f"chunk_{i}").write_bytes(b"x")
+    (directory / f"7{TMP_SUFFIX}" / "state").mkdir(parents=True)
+    rmtree = async_path.rmtree
+
+    async def slow_rmtree(path, **kwargs):  # a deletion that outlasts an unwaited close()
+        await asyncio.sleep(0.5)
+        await rmtree(path, **kwargs)
+
+    monkeypatch.setattr(async_path, "rmtree", slow_rmtree)
     ckpt = Checkpointer(str(directory), save_every=1, keep=2)
     ckpt.close()
     assert _step_dirs(directory) == []

@@ -115,6 +115,25 @@ def test_a_different_config_is_neither_finished_nor_overwritten(tmp_path):
         run_record.run_once(other, workdir, train_fn=RecordingTrainer())
 
 
+def test_process_settings_do_not_change_the_run(tmp_path):
+    workdir = str(tmp_path / "run")
+    trainer = RecordingTrainer()
+    run_record.run_once(small_config(), workdir, train_fn=trainer)
+    other_allocator = small_config()
+    other_allocator.runtime.allocator = "system"
+    assert run_record.is_finished(workdir, other_allocator)
+    # A run recorded before the runtime section existed is the same run too.
+    path = os.path.join(workdir, "config.json")
+    with open(path) as f:
+        recorded = json.load(f)
+    del recorded["runtime"]
+    with open(path, "w") as f:
+        json.dump(recorded, f)
+    run_record.check_workdir_config(workdir, other_allocator)
+    run_record.run_once(other_allocator, workdir, train_fn=trainer)
+    assert trainer.calls == [workdir]
+
+
 def test_a_nonfinite_run_is_recorded_and_not_retried(tmp_path):
     config, workdir = small_config(), str(tmp_path / "run")
     trainer = RecordingTrainer(stop_at=3, nonfinite=True)
