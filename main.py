@@ -35,7 +35,7 @@ from postnorm.nonfinite import NonFiniteError
 from postnorm.plots import render_run_plots
 from postnorm.preemption import Preempted
 from postnorm.report import write_report
-from postnorm.validation import ConfigError, check_model, check_runtime
+from postnorm.validation import ConfigError, check_model
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/default.py:pre.",
@@ -110,7 +110,6 @@ def run(argv: list[str]) -> None:
     if FLAGS.mode == "report":
         print(write_report(FLAGS.workdir, json.loads(config.to_json_best_effort())))
         return
-    check_runtime(config)
     allocator = use_allocator(config.runtime.allocator)  # may re-execute this command
     init_distributed()
     logging.info("JAX %s: process %d of %d, %d local / %d global devices: %s; allocator: %s",

@@ -54,13 +54,7 @@ from benchmarks.programs import (
 )
 from postnorm.allocator import use_allocator
 from postnorm.config_args import apply_arg
-from postnorm.validation import (
-    check_backend,
-    check_layout,
-    check_model,
-    check_opt,
-    check_runtime,
-)
+from postnorm.validation import check_backend, check_layout, check_model, check_opt
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 flags.DEFINE_list("programs", ["train", "diag"], f"Programs to time, from {list(PROGRAMS)}.")
@@ -78,7 +72,6 @@ def main(_):
     unknown = sorted(set(FLAGS.programs) - set(PROGRAMS))
     if unknown:
         raise app.UsageError(f"--programs: unknown {unknown}; choose from {list(PROGRAMS)}")
-    check_runtime(FLAGS.config)
     allocator = use_allocator(FLAGS.config.runtime.allocator)  # may re-execute this command
     variants, models = {}, {}
     for overrides in FLAGS.variant:
@@ -97,10 +90,8 @@ def main(_):
     a_NxN = jax.random.normal(jax.random.key(1), (n, n), jnp.dtype(FLAGS.peak_dtype))
     matmul = jax.jit(lambda x: x @ x).lower(a_NxN).compile()
     all_programs = [p for programs in variants.values() for p in programs.values()]
-    for program in all_programs:  # warm-up
-        program.run()
-        program.times.clear()
-        program.page_faults.clear()
+    for program in all_programs:
+        program.warm_up()
     peak_times = []
     for _ in range(FLAGS.repeats):
         peak_times.append(min(timed(lambda: matmul(a_NxN)) for _ in range(FLAGS.peak_calls)))

@@ -17,14 +17,14 @@ import statistics
 import time
 
 import jax
-import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from benchmarks.programs import random_batch
 from postnorm.allocator import use_allocator
 from postnorm.model import ModelSpec
 from postnorm.optim import make_optimizer
-from postnorm.sharding import batch_sharding, make_mesh
+from postnorm.sharding import make_mesh
 from postnorm.step_builder import compile_steps
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
@@ -49,10 +49,7 @@ def main(_):
     mesh = make_mesh(config.mesh)
     tx, schedule = make_optimizer(config.opt, config.train.steps)
     steps = compile_steps(spec, tx, schedule, mesh)
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, FLAGS.vocab_size, (config.data.batch_size, config.data.seq_len + 1))
-    batch = {k: jax.device_put(v.astype(np.int32), batch_sharding(mesh))
-             for k, v in (("inputs", tokens[:, :-1]), ("targets", tokens[:, 1:]))}
+    batch = random_batch(config, FLAGS.vocab_size, mesh)
 
     state = steps.init(config.seed)
     lowered = {"train": steps.train.lower(state, batch), "diag": steps.diag.lower(state, batch)}

@@ -22,14 +22,14 @@ import tempfile
 import time
 
 import jax
-import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from benchmarks.programs import random_batch
 from postnorm.allocator import use_allocator
 from postnorm.model import ModelSpec
 from postnorm.optim import make_optimizer
-from postnorm.sharding import batch_sharding, make_mesh
+from postnorm.sharding import make_mesh
 from postnorm.step_builder import compile_steps
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
@@ -62,10 +62,7 @@ def main(_):
     mesh = make_mesh(config.mesh)
     tx, schedule = make_optimizer(config.opt, config.train.steps)
     steps = compile_steps(spec, tx, schedule, mesh)
-    tokens = np.random.default_rng(0).integers(
-        0, spec.vocab_size, (config.data.batch_size, config.data.seq_len + 1), np.int32)
-    batch = {k: jax.device_put(v, batch_sharding(mesh))
-             for k, v in (("inputs", tokens[:, :-1]), ("targets", tokens[:, 1:]))}
+    batch = random_batch(config, spec.vocab_size, mesh)
     state = steps.init(config.seed)
     compiled = steps.train.lower(state, batch).compile()
     op_names = dict(re.findall(r'^\s+%([\w.\-]+) = .*?op_name="([^"]*)"', compiled.as_text(),

@@ -27,9 +27,10 @@ THP_SETTING = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
 def transparent_hugepage_mode() -> str | None:
     """The kernel's transparent huge page mode (always, madvise or never); None off Linux.
 
-    XLA's CPU runtime maps each call's temporary buffer afresh, so every 4 KiB page of it
-    faults on first touch in every call unless the kernel backs it with huge pages ("always";
-    under "madvise" only memory that asks for them is), which docs/PERFORMANCE.md measures.
+    Under glibc's allocator XLA's CPU runtime maps each call's temporary buffer afresh, so
+    every 4 KiB page of it faults on first touch in every call unless the kernel backs it with
+    huge pages ("always"; under "madvise" only memory that asks for them is), which
+    docs/PERFORMANCE.md measures.
     """
     try:
         return re.search(r"\[(\w+)\]", THP_SETTING.read_text()).group(1)
@@ -80,6 +81,12 @@ class Program:
         self.times: list[float] = []
         self.page_faults: list[int] = []
 
+    def warm_up(self) -> None:
+        """One untimed call (the first call of a program pays one-off costs)."""
+        self.run()
+        self.times.clear()
+        self.page_faults.clear()
+
     def run(self) -> None:
         """Time one call and count its page faults; a step's new state replaces the donated
         old one."""
@@ -97,6 +104,13 @@ def random_tokens(config: ml_collections.ConfigDict, vocab: int) -> np.ndarray:
     return np.random.default_rng(0).integers(0, vocab, shape, np.int32)
 
 
+def random_batch(config: ml_collections.ConfigDict, vocab: int, mesh) -> dict[str, jax.Array]:
+    """``random_tokens`` as the steps' ``{inputs, targets}`` batch, sharded over ``mesh``."""
+    tokens = random_tokens(config, vocab)
+    return {k: jax.device_put(v, batch_sharding(mesh))
+            for k, v in (("inputs", tokens[:, :-1]), ("targets", tokens[:, 1:]))}
+
+
 def build_programs(config: ml_collections.ConfigDict, names: list[str],
                    vocab: int) -> tuple[dict[str, Program], dict]:
     """The programs in ``names`` order (from ``PROGRAMS``), and a description of the model and
@@ -104,9 +118,7 @@ def build_programs(config: ml_collections.ConfigDict, names: list[str],
     seq_len, batch_size = config.data.seq_len, config.data.batch_size
     spec = ModelSpec.from_config(config.model, vocab_size=vocab, max_len=seq_len)
     mesh = make_mesh(config.mesh)
-    tokens = random_tokens(config, vocab)
-    batch = {k: jax.device_put(v, batch_sharding(mesh))
-             for k, v in (("inputs", tokens[:, :-1]), ("targets", tokens[:, 1:]))}
+    batch = random_batch(config, vocab, mesh)
     n_tokens = batch_size * seq_len
     programs = {}
     if {"train", "diag"} & set(names):

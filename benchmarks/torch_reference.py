@@ -50,7 +50,6 @@ from benchmarks.torch_model import (
     train_loss,
 )
 from postnorm.allocator import use_allocator
-from postnorm.flops import train_flops_per_token
 from postnorm.model import ModelSpec
 from postnorm.validation import check_backend, check_model, check_opt
 
@@ -128,9 +127,7 @@ def main(_):
     start = time.perf_counter()
     step_fn()  # warm-up (and, with --torch_compile, compilation)
     torch_first_s = time.perf_counter() - start
-    jax_train.run()
-    jax_train.times.clear()
-    jax_train.page_faults.clear()
+    jax_train.warm_up()
     jax_peak, torch_peak, torch_times, torch_faults = [], [], [], []
     for _ in range(FLAGS.repeats):
         jax_peak.append(min(timed(lambda: jax_matmul(a_jax)) for _ in range(FLAGS.peak_calls)))
@@ -141,7 +138,7 @@ def main(_):
         torch_times.append(torch_timed(step_fn))
         torch_faults.append(minor_page_faults() - faults)
 
-    flops = train_flops_per_token(spec, seq_len) * batch_size * seq_len
+    flops = jax_train.flops
     peak_flops = 2 * PEAK_SIZE**3
 
     def summary(times: list[float], peak_times: list[float], faults: list[int]) -> dict:
