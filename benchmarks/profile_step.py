@@ -7,9 +7,11 @@ Compiles the train step for the config's model on random tokens, runs two warm-u
 traces one step with ``jax.profiler`` (a Perfetto trace in ``--trace_dir``). Each XLA op of the
 trace is mapped through the compiled HLO's ``op_name`` metadata to a part (attention
 projections, attention core = scores/softmax/PV, FFN, norms, LM head and loss, optimizer),
-a pass (forward or backward) and a kind (matmul or other). Prints JSON: the step's wall time
-and the summed op time per group, largest first. With more than one core, ops overlap, so the
-sums can exceed the wall time; pinned to one core (``taskset -c 0``) they add up to it.
+a pass (forward or backward) and a kind (matmul or other). Prints JSON: the step's wall time,
+the summed op time per group, largest first, and the ``--top_ops`` HLO op kinds with the most
+time (an op's name without its numeric suffix, e.g. ``bitcast_dynamic-update-slice_fusion``).
+With more than one core, ops overlap, so the sums can exceed the wall time; pinned to one core
+(``taskset -c 0``) they add up to it.
 """
 
 import collections
@@ -34,6 +36,7 @@ from postnorm.step_builder import compile_steps
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 flags.DEFINE_string("trace_dir", "", "Where the trace goes; empty: a temporary directory.")
+flags.DEFINE_integer("top_ops", 12, "How many HLO op kinds to list by summed time.")
 FLAGS = flags.FLAGS
 
 
@@ -82,18 +85,20 @@ def main(_):
     with gzip.open(path) as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    totals = collections.Counter()
+    totals, op_kinds = collections.Counter(), collections.Counter()
     for event in events:
         if event.get("ph") == "X" and event["name"] in op_names:
             if op_names[event["name"]].endswith("/while"):
                 continue  # the loop op spans its body's ops
             totals["/".join(op_group(op_names[event["name"]], event["name"]))] += event["dur"]
+            op_kinds[re.sub(r"\.\d+$", "", event["name"])] += event["dur"]
     summed = sum(totals.values())
     print(json.dumps({
         "step_wall_s": wall, "summed_op_s": summed / 1e6, "trace": path,
         "cpus": len(os.sched_getaffinity(0)), "allocator": allocator,
         "groups_s": {k: round(v / 1e6, 4) for k, v in totals.most_common()},
         "groups_share": {k: round(v / summed, 4) for k, v in totals.most_common()},
+        "top_op_kinds_s": {k: round(v / 1e6, 4) for k, v in op_kinds.most_common(FLAGS.top_ops)},
     }, indent=2))
 
 
