@@ -154,24 +154,26 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     workdir = os.path.abspath(os.path.expanduser(workdir))
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), save_every=config.train.ckpt_every,
                         keep=config.train.keep_ckpts)
-    exp = build_experiment(config)
-    _write_config(config, workdir)
-    if jax.process_index() == 0:
-        with open(os.path.join(workdir, "data_info.json"), "w") as f:
-            json.dump(exp.data.info, f, indent=2)
-    state, start, data_iter = _restore_or_init(exp, ckpt)
-    if jax.process_index() == 0:
-        parameter_overview.log_parameter_overview(state.params)
-    reporter = _Reporter(workdir, config.data.batch_size * config.data.seq_len,
-                         config.train.steps, exp.data.lfreq)
-    reporter.restart(start, int(state.skipped_steps))
-    watch = PreemptionWatch(start)
     try:
-        _train_loop(exp, ckpt, watch, reporter, state, start, data_iter, workdir)
+        exp = build_experiment(config)
+        _write_config(config, workdir)
+        if jax.process_index() == 0:
+            with open(os.path.join(workdir, "data_info.json"), "w") as f:
+                json.dump(exp.data.info, f, indent=2)
+        state, start, data_iter = _restore_or_init(exp, ckpt)
+        if jax.process_index() == 0:
+            parameter_overview.log_parameter_overview(state.params)
+        reporter = _Reporter(workdir, config.data.batch_size * config.data.seq_len,
+                             config.train.steps, exp.data.lfreq)
+        reporter.restart(start, int(state.skipped_steps))
+        watch = PreemptionWatch(start)
+        try:
+            _train_loop(exp, ckpt, watch, reporter, state, start, data_iter, workdir)
+        finally:
+            watch.close()
+            reporter.close()
     finally:
-        watch.close()
-        reporter.close()
-        ckpt.close()
+        ckpt.close()  # also when building the experiment fails: waits for orbax's threads
     if jax.process_index() == 0:
         render_run_plots(workdir)
     return reporter.final
@@ -334,9 +336,11 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> floa
     workdir = os.path.abspath(os.path.expanduser(workdir))
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), save_every=config.train.ckpt_every,
                         keep=config.train.keep_ckpts)
-    exp = build_experiment(config)
-    restored = ckpt.restore_latest(exp.steps.abstract_state, train_iterator(exp))
-    ckpt.close()
+    try:
+        exp = build_experiment(config)
+        restored = ckpt.restore_latest(exp.steps.abstract_state, train_iterator(exp))
+    finally:
+        ckpt.close()
     if restored is None:
         raise FileNotFoundError(f"no checkpoint in {ckpt.directory}: train first "
                                 f"(--mode=train) or point --workdir at a trained run")

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from configs.default import get_config
-from postnorm.data import load_data
+from postnorm import train
+from postnorm.checkpoint import Checkpointer
+from postnorm.data import DataError, load_data
 from postnorm.data.lfreq import frequency_floor
 from postnorm.model import ModelSpec
 from postnorm.optim import make_optimizer
@@ -106,3 +108,20 @@ def test_invalid_fields_name_the_problem(field, value, message):
     config[section][name] = value
     with pytest.raises(ConfigError, match=message):
         check_config(config, device_count=8)
+
+
+@pytest.mark.parametrize("entry", [train.train_and_evaluate, train.evaluate_checkpoint])
+def test_a_failed_build_still_closes_the_checkpointer(entry, corpus, tmp_path, monkeypatch):
+    """When building the experiment fails, the checkpoint manager (and orbax's threads) is
+    closed."""
+    closed, close = [], Checkpointer.close
+
+    def recording_close(self):
+        closed.append(self.directory.name)
+        close(self)
+
+    monkeypatch.setattr(Checkpointer, "close", recording_close)
+    config = tiny_config(corpus, tmp_path / "data", train__eval_batches=10_000)
+    with pytest.raises(DataError, match="lower the eval batch count"):
+        entry(config, str(tmp_path / "run"))
+    assert closed == ["checkpoints"]
