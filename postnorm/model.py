@@ -14,7 +14,9 @@ work; ``dots_no_batch`` keeps only
 matmul outputs without batch dimensions, so it also recomputes the attention scores and
 probabilities (the [B, H, n, n] arrays); ``full`` keeps only the layer input.
 ``model.scan_unroll`` layers are unrolled per iteration of the layer loop (compile time grows
-with it).
+with it). A scanned loop copies what the backward pass keeps into buffers stacked over the
+layers and back out; with ``scan_unroll = n_layers`` there is no loop and no such copy, so
+``remat=none`` then gives the fastest train step on CPU (``docs/PERFORMANCE.md``).
 """
 
 import dataclasses
