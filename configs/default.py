@@ -29,8 +29,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.attention = "blocked"  # einsum | blocked | xla | cudnn (cudnn: GPU, bfloat16 only)
     c.model.attention_block = 32  # query rows per block of the blocked kernel
     c.model.remat = "full"  # none | dots | dots_no_batch | full (what backward keeps per layer)
-    # layers per iteration of the scanned layer loop; n_layers unrolls the loop, which with
-    # remat=none is the fastest train step on CPU but compiles 3-7x longer (docs/PERFORMANCE.md)
+    # layers per iteration of the scanned layer loop; n_layers unrolls the loop: with remat=none
+    # the fastest train step measured for this config on CPU, but a 3-7x longer compile
+    # (docs/PERFORMANCE.md)
     c.model.scan_unroll = 1
 
     c.data = ml_collections.ConfigDict()

@@ -16,7 +16,8 @@ probabilities (the [B, H, n, n] arrays); ``full`` keeps only the layer input.
 ``model.scan_unroll`` layers are unrolled per iteration of the layer loop (compile time grows
 with it). A scanned loop copies what the backward pass keeps into buffers stacked over the
 layers and back out; with ``scan_unroll = n_layers`` there is no loop and no such copy, so
-``remat=none`` then gives the fastest train step on CPU (``docs/PERFORMANCE.md``).
+``remat=none`` then gave the fastest train step measured for the default config on CPU
+(``docs/PERFORMANCE.md``).
 """
 
 import dataclasses
