@@ -50,9 +50,22 @@ def layer_series(records: list[dict]) -> dict[str, tuple[np.ndarray, np.ndarray]
     return series
 
 
-def _heatmap(ax, steps: np.ndarray, values: np.ndarray, title: str) -> None:
-    image = ax.imshow(values, aspect="auto", origin="lower", interpolation="nearest",
-                      extent=(steps[0], steps[-1], -0.5, values.shape[0] - 0.5))
+def cell_edges(centers: np.ndarray) -> np.ndarray:
+    """Edges of cells around sorted ``centers``: midpoints between neighbours, and as far
+    beyond each end as the nearest midpoint is inside it (one center: +-0.5)."""
+    centers = np.asarray(centers, dtype=float)
+    if len(centers) == 1:
+        return centers[0] + np.array([-0.5, 0.5])
+    mid = (centers[:-1] + centers[1:]) / 2
+    return np.concatenate([[2 * centers[0] - mid[0]], mid, [2 * centers[-1] - mid[-1]]])
+
+
+def _heatmap(ax, steps: np.ndarray, values_LxS: np.ndarray, title: str) -> None:
+    """Layer x step cells, each column centred on its own step (diagnostic steps need not be
+    evenly spaced: step 1, then every ``diag.every``)."""
+    layer_edges = np.arange(values_LxS.shape[0] + 1) - 0.5
+    image = ax.pcolormesh(cell_edges(steps), layer_edges, np.ma.masked_invalid(values_LxS),
+                          shading="flat")
     ax.set_title(title, fontsize=9)
     ax.set_xlabel("step")
     ax.set_ylabel("layer")
