@@ -43,7 +43,7 @@ def memory(compiled) -> dict[str, int]:
 
 def main(_):
     config = FLAGS.config
-    use_allocator(config.runtime.allocator)  # may re-execute this command
+    allocator = use_allocator(config.runtime.allocator)  # may re-execute this command
     spec = ModelSpec.from_config(config.model, vocab_size=FLAGS.vocab_size,
                                  max_len=config.data.seq_len)
     mesh = make_mesh(config.mesh)
@@ -74,7 +74,9 @@ def main(_):
     print(json.dumps({
         "config": {"n_layers": spec.n_layers, "d_model": spec.d_model,
                    "seq_len": config.data.seq_len, "batch_size": config.data.batch_size,
-                   "norm": spec.norm, "devices": jax.device_count()},
+                   "norm": spec.norm, "attention": spec.attention, "remat": spec.remat,
+                   "scan_unroll": spec.scan_unroll, "devices": jax.device_count()},
+        "allocator": allocator,
         "repeats": FLAGS.repeats,
         "median_step_s": median,
         "diag_over_train_time": median["diag"] / median["train"],
