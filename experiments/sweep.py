@@ -146,6 +146,16 @@ def write_summary(specs: list[RunSpec], out_dir: str) -> list[dict]:
     return rows
 
 
+def process_allocator(base_config: str, specs: list[RunSpec], extra: dict[str, str]) -> str:
+    """``runtime.allocator`` of the sweep's configs: one allocator serves the whole process, so
+    ``runtime.*`` may be set by ``--override`` but is not a sweep axis."""
+    axes = [key for key, _ in specs[0].overrides if key.startswith("runtime.")]
+    if axes:
+        raise app.UsageError(f"the sweep varies {axes}: runtime.* is one per process; set it "
+                             "with --override runtime.allocator=X instead")
+    return build_config(base_config, specs[0], extra).runtime.allocator
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -154,8 +164,7 @@ def main(argv: list[str]) -> None:
     base_config, specs = plan_file(FLAGS.sweep)
     index, count = parse_shard(FLAGS.shard)
     extra = dict(item.split("=", 1) for item in FLAGS.override)
-    # One allocator for the whole process (it may re-execute this command).
-    use_allocator(extra.get("runtime.allocator", base_config.runtime.allocator))
+    use_allocator(process_allocator(base_config, specs, extra))  # may re-execute this command
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     if not FLAGS.report_only:
         run_sweep(base_config, shard(specs, index, count), FLAGS.out_dir, extra, FLAGS.workers)

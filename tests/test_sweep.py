@@ -4,9 +4,12 @@
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
+from absl import app
 
 from configs.default import get_config
 from experiments import sweep as sweep_cli
@@ -14,8 +17,10 @@ from postnorm import run_record, sweep
 from postnorm.metrics import layer_key
 from postnorm.nonfinite import NonFiniteError
 from postnorm.train import train_and_evaluate
+from tests.reliability_helpers import REPO
 
 STABILITY = "configs/sweeps/stability.py"
+STABILITY_BASE = "configs/default.py"
 
 
 def test_stability_plan_is_the_full_grid_with_stable_readable_ids():
@@ -192,3 +197,24 @@ def test_run_once_with_the_real_trainer_skips_and_resumes(tmp_path):
     resumed = run_record.run_once(config, workdir, train_fn=train_fn)
     assert len(calls) == 2 and resumed["resumed_from_step"] == 8
     assert resumed["final_train_loss"] == first["final_train_loss"]
+
+
+def test_the_process_allocator_comes_from_the_config_and_overrides_not_a_sweep_axis():
+    _, specs = sweep.plan_file(STABILITY)
+    assert sweep_cli.process_allocator(STABILITY_BASE, specs, {}) == "auto"
+    assert sweep_cli.process_allocator(
+        STABILITY_BASE, specs, {"runtime.allocator": "system"}) == "system"
+    axis = sweep.plan([{"runtime.allocator": a, "opt.lr": 1e-3} for a in ("auto", "system")])
+    with pytest.raises(app.UsageError, match=r"varies \['runtime.allocator'\].*--override"):
+        sweep_cli.process_allocator(STABILITY_BASE, axis, {})
+
+
+@pytest.mark.parametrize("override", [[], ["--override", "runtime.allocator=system"]])
+def test_the_sweep_command_writes_the_report(tmp_path, override):
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.sweep", "--sweep", f"{STABILITY}:smoke",
+         "--out_dir", str(tmp_path), "--report_only", *override],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads((tmp_path / "summary.json").read_text())
+    assert len(rows) == 8 and {row["status"] for row in rows} == {"missing"}
