@@ -1,12 +1,14 @@
-"""Where a train step's time goes: one profiled step, its XLA ops grouped by model part.
+"""Where a step's time goes: one profiled step, its XLA ops grouped by model part.
 
     python -m benchmarks.profile_step --config configs/default.py
-    taskset -c 0 python -m benchmarks.profile_step --config configs/default.py
+    taskset -c 0 python -m benchmarks.profile_step --config configs/default.py --program diag
 
-Compiles the train step for the config's model on random tokens, runs two warm-up steps, then
+Compiles the train step (``--program diag``: the diagnostic step) for the config's model on
+random tokens, runs two warm-up steps, then
 traces one step with ``jax.profiler`` (a Perfetto trace in ``--trace_dir``). Each XLA op of the
 trace is mapped through the compiled HLO's ``op_name`` metadata to a part (attention
-projections, attention core = scores/softmax/PV, FFN, norms, LM head and loss, optimizer),
+projections, attention core = scores/softmax/PV, FFN, norms, LM head and loss, optimizer, and
+the diagnostic step's statistics, forward and backward taps: ``diag_stats``),
 a pass (forward or backward) and a kind (matmul or other). Prints JSON: the step's wall time,
 the summed op time per group, largest first, and the ``--top_ops`` HLO op kinds with the most
 time (an op's name without its numeric suffix, e.g. ``bitcast_dynamic-update-slice_fusion``).
@@ -29,6 +31,7 @@ from ml_collections import config_flags
 
 from benchmarks.programs import random_batch
 from postnorm.allocator import use_allocator
+from postnorm.diagnostics import STATS_SCOPE
 from postnorm.model import ModelSpec
 from postnorm.optim import make_optimizer
 from postnorm.sharding import make_mesh
@@ -37,6 +40,7 @@ from postnorm.step_builder import compile_steps
 config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 flags.DEFINE_string("trace_dir", "", "Where the trace goes; empty: a temporary directory.")
 flags.DEFINE_integer("top_ops", 12, "How many HLO op kinds to list by summed time.")
+flags.DEFINE_enum("program", "train", ["train", "diag"], "The step to profile.")
 FLAGS = flags.FLAGS
 
 
@@ -44,9 +48,12 @@ def op_group(op_name: str, hlo_name: str) -> tuple[str, str, str]:
     """(part, pass, kind) of one op from its ``op_name`` metadata."""
     direction = "backward" if "transpose(" in op_name else "forward"
     kind = "matmul" if ("dot_general" in op_name or hlo_name.startswith("dot")) else "other"
-    parts = [p for p in op_name.split("/")
+    scopes = op_name.split("/")
+    parts = [p for p in scopes
              if p in ("attn", "attn_core", "ffn", "norm_attn", "norm_ffn", "Decoder.logits")]
-    if parts:
+    if STATS_SCOPE in scopes:
+        part = "diag_stats"
+    elif parts:
         part = parts[-1]
     elif "Decoder" in op_name:
         part = "decoder_other"  # embedding, scan bookkeeping
@@ -55,6 +62,11 @@ def op_group(op_name: str, hlo_name: str) -> tuple[str, str, str]:
     else:
         part = "optimizer_and_guard"
     return part, direction, kind
+
+
+def hlo_op_names(hlo_text: str) -> dict[str, str]:
+    """``{HLO instruction name: its op_name metadata}`` of a compiled program's text."""
+    return dict(re.findall(r'^\s+%([\w.\-]+) = .*?op_name="([^"]*)"', hlo_text, re.M))
 
 
 def main(_):
@@ -67,17 +79,16 @@ def main(_):
     steps = compile_steps(spec, tx, schedule, mesh)
     batch = random_batch(config, spec.vocab_size, mesh)
     state = steps.init(config.seed)
-    compiled = steps.train.lower(state, batch).compile()
-    op_names = dict(re.findall(r'^\s+%([\w.\-]+) = .*?op_name="([^"]*)"', compiled.as_text(),
-                               re.M))
+    compiled = getattr(steps, FLAGS.program).lower(state, batch).compile()
+    op_names = hlo_op_names(compiled.as_text())
     for _ in range(2):
-        state, _ = compiled(state, batch)
+        state, *_ = compiled(state, batch)
     jax.block_until_ready(state)
 
     trace_dir = FLAGS.trace_dir or tempfile.mkdtemp(prefix="postnorm_profile_")
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         start = time.perf_counter()
-        state, _ = compiled(state, batch)
+        state, *_ = compiled(state, batch)
         jax.block_until_ready(state)
         wall = time.perf_counter() - start
     path = max(glob.glob(os.path.join(trace_dir, "**", "*perfetto_trace.json.gz"),

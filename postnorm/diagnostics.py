@@ -7,18 +7,37 @@ All statistics are reduced in float32 and detached from the gradient. Definition
 * RMSNorm contraction c = alpha / r(y) with r(y) = sqrt(||y||^2/d + eps), per token, where y is
   the norm's input; ``alpha`` is either the RMS of the gain vector or max|gain| (the bound).
 * Effective rank (Roy & Vetterli): exp(entropy of the normalised singular values).
+
+Their ops, and those of the backward taps (``postnorm.taps``), run under the name scope
+``STATS_SCOPE``, so a profile (``benchmarks.profile_step --program diag``) can tell them apart.
 """
+
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 ERANK_SEQUENCES = 4  # sequences per batch whose effective rank is averaged
+STATS_SCOPE = "diag_stats"
+
+
+def in_stats_scope(fn: Callable) -> Callable:
+    """``fn`` with its ops under the name scope ``STATS_SCOPE``."""
+
+    @functools.wraps(fn)
+    def scoped(*args, **kwargs):
+        with jax.named_scope(STATS_SCOPE):
+            return fn(*args, **kwargs)
+
+    return scoped
 
 
 def _f32(x: jax.Array) -> jax.Array:
     return jax.lax.stop_gradient(x).astype(jnp.float32)
 
 
+@in_stats_scope
 def tsim(x_BxLxD: jax.Array) -> jax.Array:
     """Token similarity per sequence, averaged over the batch."""
     x = _f32(x_BxLxD)
@@ -49,6 +68,7 @@ def norm_input_stats(y_BxLxD: jax.Array, scale_D: jax.Array, eps: float) -> dict
     }
 
 
+@in_stats_scope
 def attention_row_stats(probs_BxHxLxM: jax.Array, query_offset: int = 0) -> dict[str, jax.Array]:
     """Per query row: entropy of causal attention and its distance from prefix averaging.
 
@@ -69,6 +89,7 @@ def attention_row_stats(probs_BxHxLxM: jax.Array, query_offset: int = 0) -> dict
     }
 
 
+@in_stats_scope
 def mean_attention_stats(row_stats: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """The means over batch, heads and rows of ``attention_row_stats``."""
     return {key: jnp.mean(value) for key, value in row_stats.items()}
@@ -86,6 +107,7 @@ def mean_effective_rank(x_BxLxD: jax.Array) -> jax.Array:
     return jnp.mean(jax.vmap(effective_rank)(x_BxLxD[:ERANK_SEQUENCES]))
 
 
+@in_stats_scope
 def sublayer_stats(x_BxLxD: jax.Array, branch_BxLxD: jax.Array, y_BxLxD: jax.Array,
                    scale_D: jax.Array, eps: float) -> dict[str, jax.Array]:
     """Statistics of one sublayer: input X, branch output F and norm input y."""

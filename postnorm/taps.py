@@ -16,10 +16,13 @@ inputs of shape ``[n_layers, ...]``.
 import jax
 import jax.numpy as jnp
 
+from postnorm.diagnostics import in_stats_scope
+
 TAP_STATS = ("grad_sq", "mean_sq", "repair_sq")
 N_TAP_STATS = len(TAP_STATS)
 
 
+@in_stats_scope
 def gradient_stats(g_BxLxD: jax.Array) -> jax.Array:
     """[||g||^2, ||Pi_1 g||^2, ||g - Pi_1 g||^2] in float32."""
     g = g_BxLxD.astype(jnp.float32)
