@@ -20,6 +20,7 @@ import json
 import os
 
 import matplotlib
+import ml_collections
 import numpy as np
 from absl import app, flags, logging
 
@@ -44,9 +45,21 @@ FLAGS = flags.FLAGS
 MAP_AXES = ("model.n_layers", "opt.lr", "model.norm")  # rows, columns, panels
 
 
-def table_row(spec: RunSpec, result: dict | None) -> dict:
-    """One row of the summary table; ``status`` is ``missing`` for runs not finished yet."""
-    row = {"run_id": spec.run_id, **dict(spec.overrides), "status": "missing"}
+def config_value(config: ml_collections.ConfigDict, key: str) -> object:
+    """The value of the dotted field ``key`` (``model.n_layers``) of ``config``."""
+    node = config
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def table_row(spec: RunSpec, config: ml_collections.ConfigDict, result: dict | None,
+              keys: list[str]) -> dict:
+    """One row of the summary table: the run's ``keys`` fields as ``config`` (the sweep's
+    overrides, then ``--override``) sets them, and its result; ``status`` is ``missing`` for
+    runs not finished yet."""
+    row = {"run_id": spec.run_id, **{key: config_value(config, key) for key in keys},
+           "status": "missing"}
     if result is None:
         return row
     collapse = result.get("collapse") or {}
@@ -133,15 +146,19 @@ def run_sweep(base_config: str, specs: list[RunSpec], out_dir: str,
     run_pinned(run_logged, jobs, workers)
 
 
-def write_summary(specs: list[RunSpec], out_dir: str) -> list[dict]:
-    """Table (JSON, markdown) and map of every run of the plan found finished in ``out_dir``."""
-    rows = [table_row(s, read_result(os.path.join(out_dir, s.run_id))) for s in specs]
-    keys = [k for k, _ in specs[0].overrides
-            if len({str(s.override(k)) for s in specs}) > 1]
+def write_summary(base_config: str, specs: list[RunSpec], out_dir: str,
+                  extra: dict[str, str]) -> list[dict]:
+    """Table (JSON, markdown) and map of every run of the plan found finished in ``out_dir``;
+    ``extra``: the ``--override`` fields, which the table reports as the runs used them."""
+    fields = [k for k, _ in specs[0].overrides] + [k for k in extra if k not in
+                                                   dict(specs[0].overrides)]
+    rows = [table_row(s, build_config(base_config, s, extra),
+                      read_result(os.path.join(out_dir, s.run_id)), fields) for s in specs]
+    keys = [k for k in fields if len({str(row[k]) for row in rows}) > 1]
     write_json_atomic(os.path.join(out_dir, "summary.json"), rows)
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
         f.write(markdown(rows, keys))
-    if all(k in dict(specs[0].overrides) for k in MAP_AXES):
+    if all(k in fields for k in MAP_AXES):
         stability_map(rows, os.path.join(out_dir, "stability_map.png"))
     return rows
 
@@ -168,7 +185,7 @@ def main(argv: list[str]) -> None:
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     if not FLAGS.report_only:
         run_sweep(base_config, shard(specs, index, count), FLAGS.out_dir, extra, FLAGS.workers)
-    rows = write_summary(specs, FLAGS.out_dir)
+    rows = write_summary(base_config, specs, FLAGS.out_dir, extra)
     print(json.dumps(rows, indent=1))
 
 

@@ -156,8 +156,12 @@ def test_summary_table_and_stability_map(tmp_path):
         config = sweep.build_config(base, spec, {"train.steps": "4"})
         trainer = RecordingTrainer(nonfinite=number == 2)
         run_record.run_once(config, os.path.join(out_dir, spec.run_id), train_fn=trainer)
-    rows = sweep_cli.write_summary(specs, out_dir)
+    rows = sweep_cli.write_summary(base, specs, out_dir, {"train.steps": "4"})
     assert [r["status"] for r in rows[:4]] == ["done", "done", "nonfinite", "missing"]
+    # The fields are the runs' own: the sweep's values, then the override of train.steps.
+    for spec, row in zip(specs, rows, strict=True):
+        assert {k: row[k] for k, _ in spec.overrides} == {**dict(spec.overrides),
+                                                           "train.steps": 4}
     assert rows[0]["loss_over_lfreq"] == pytest.approx((9 / 2 + 9 / 3 + 9 / 4) / 3 / 5 + 1)
     table = (tmp_path / "summary.md").read_text()
     assert table.splitlines()[0].startswith("| model.n_layers | model.norm | opt.lr | status |")
