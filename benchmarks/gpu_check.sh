@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/gpu_check.sh [extra config overrides, e.g. data.batch_size=32]
 #
-# bfloat16 compute (float32 params), n=2048, batch 16, remat dots_no_batch (configs/paper.py);
+# bfloat16 compute (float32 params), n=2048, batch 16, remat dots (configs/paper.py);
 # cuDNN attention and XLA attention side by side. Prints the bench JSON.
 set -euo pipefail
 cd "$(dirname "$0")/.."
