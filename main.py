@@ -28,6 +28,7 @@ from ml_collections import config_flags
 from postnorm import train
 from postnorm.allocator import AllocatorError, use_allocator
 from postnorm.checkpoint import CheckpointError
+from postnorm.compilation_cache import CompilationCacheError
 from postnorm.data import DataError
 from postnorm.data.tokenizers import read_user_sentencepiece
 from postnorm.model import ModelSpec, param_count_formula
@@ -86,7 +87,8 @@ def main(argv: list[str]) -> None:
         run(argv)
     except Preempted as stop:
         print(f"postnorm: {stop}", file=sys.stderr)
-    except (ConfigError, AllocatorError, DataError, CheckpointError) as err:
+    except (ConfigError, AllocatorError, CompilationCacheError, DataError,
+            CheckpointError) as err:
         print(f"postnorm: error: {err}", file=sys.stderr)
         sys.exit(2)
     except NonFiniteError as err:

@@ -76,6 +76,9 @@ def base_config() -> ml_collections.ConfigDict:
     # auto | system | tcmalloc: tcmalloc (preloaded by re-executing the command) keeps XLA's
     # per-call temporaries mapped; auto uses it when the library is installed
     c.runtime.allocator = "auto"
+    # a directory for JAX's persistent compilation cache (e.g. ~/.cache/postnorm/jax): runs whose
+    # programs an earlier run compiled (resumes, other seeds, re-runs) load them; '' compiles all
+    c.runtime.compilation_cache_dir = ""
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # -1: all devices not used by fsdp and tensor

@@ -24,6 +24,7 @@ from clu import parameter_overview
 from jax.experimental import multihost_utils
 
 from postnorm.checkpoint import Checkpointer
+from postnorm.compilation_cache import use_compilation_cache
 from postnorm.data import LMData, load_data
 from postnorm.data.lfreq import frequency_floor
 from postnorm.diag_step import flatten_diagnostics
@@ -151,6 +152,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     non-finite step stops the run (policy ``abort``, or ``rollback`` out of rollbacks).
     """
     check_config(config, device_count=jax.device_count(), process_count=jax.process_count())
+    use_compilation_cache(config.runtime.compilation_cache_dir)
     workdir = os.path.abspath(os.path.expanduser(workdir))
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), save_every=config.train.ckpt_every,
                         keep=config.train.keep_ckpts)
@@ -333,6 +335,7 @@ class _Reporter:
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> float:
     """Restore the latest checkpoint of ``workdir`` and evaluate it on the validation split."""
     check_config(config, device_count=jax.device_count(), process_count=jax.process_count())
+    use_compilation_cache(config.runtime.compilation_cache_dir)
     workdir = os.path.abspath(os.path.expanduser(workdir))
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), save_every=config.train.ckpt_every,
                         keep=config.train.keep_ckpts)

@@ -153,8 +153,11 @@ def check_backend(config: ml_collections.ConfigDict, *, platform: str) -> None:
 
 
 def check_runtime(config: ml_collections.ConfigDict) -> None:
-    """Process settings: the heap allocator (``postnorm.allocator``)."""
+    """Process settings: the heap allocator (``postnorm.allocator``) and the compilation cache
+    directory (``postnorm.compilation_cache``)."""
     _one_of(config, "runtime.allocator", ALLOCATORS)
+    _require(config, "runtime.compilation_cache_dir", lambda v: isinstance(v, str),
+             "a directory path, or '' for no cache")
 
 
 def check_config(config: ml_collections.ConfigDict, *, device_count: int,

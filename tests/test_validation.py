@@ -62,6 +62,7 @@ CASES = [
     ("seed", 1.5, "must be an integer"),
     ("mesh.fsdp", 0, POSITIVE_INT),
     ("runtime.allocator", "jemalloc", r"must be one of \['auto', 'system', 'tcmalloc'\]"),
+    ("runtime.compilation_cache_dir", None, "must be a directory path, or '' for no cache"),
     ("mesh.tensor", -1, POSITIVE_INT),
     ("mesh.data", -2, "must be an integer >= 1, or -1"),
     ("mesh.data", 3, "give 3 devices but 8 are available"),
