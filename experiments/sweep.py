@@ -10,8 +10,10 @@ plan starting at i, so n hosts sharing DIR split the sweep; ``--workers N`` trai
 in N processes pinned to disjoint CPU sets of the host (``postnorm.workers``). Every invocation
 then rewrites the table and the map from all finished runs found in DIR:
 
-* ``summary.json`` / ``summary.md``: per run the status, final train loss (mean of the last three
-  logged steps), L_freq, collapsed yes/no and collapse step (``postnorm.collapse``);
+* ``summary.json`` / ``summary.md``: per run its swept and ``--override`` fields as its
+  config.json has them, the status, final train loss (mean of the last three logged steps),
+  L_freq, collapsed yes/no and collapse step (``postnorm.collapse``). ``--override`` may not set
+  a field the sweep varies;
 * ``stability_map.png``: per norm placement a depth x lr grid coloured by final loss / L_freq,
   collapsed cells marked C in a red frame, diverged cells marked x, missing ones left blank.
 """
@@ -25,6 +27,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from postnorm.allocator import use_allocator
+from postnorm.config_args import field_path
 from postnorm.data import load_data
 from postnorm.data.files import write_json_atomic
 from postnorm.run_record import is_finished, read_result, run_logged
@@ -45,20 +48,28 @@ FLAGS = flags.FLAGS
 MAP_AXES = ("model.n_layers", "opt.lr", "model.norm")  # rows, columns, panels
 
 
-def config_value(config: ml_collections.ConfigDict, key: str) -> object:
-    """The value of the dotted field ``key`` (``model.n_layers``) of ``config``."""
+def field_value(config: dict, path: str) -> object:
+    """The value of the dotted field ``path`` (``model.n_layers``) of a config's JSON data."""
     node = config
-    for part in key.split("."):
+    for part in path.split("."):
         node = node[part]
     return node
 
 
-def table_row(spec: RunSpec, config: ml_collections.ConfigDict, result: dict | None,
-              keys: list[str]) -> dict:
-    """One row of the summary table: the run's ``keys`` fields as ``config`` (the sweep's
-    overrides, then ``--override``) sets them, and its result; ``status`` is ``missing`` for
-    runs not finished yet."""
-    row = {"run_id": spec.run_id, **{key: config_value(config, key) for key in keys},
+def run_config(workdir: str, planned: ml_collections.ConfigDict) -> dict:
+    """A run's config as JSON data: the ``config.json`` it ran with, if it has started, else
+    ``planned`` (the sweep's overrides, then ``--override``)."""
+    path = os.path.join(workdir, "config.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    return json.loads(planned.to_json_best_effort())
+
+
+def table_row(spec: RunSpec, config: dict, result: dict | None, fields: list[str]) -> dict:
+    """One row of the summary table: the run's ``fields`` (dotted paths) from ``config``, and
+    its result; ``status`` is ``missing`` for runs not finished yet."""
+    row = {"run_id": spec.run_id, **{path: field_value(config, path) for path in fields},
            "status": "missing"}
     if result is None:
         return row
@@ -148,28 +159,42 @@ def run_sweep(base_config: str, specs: list[RunSpec], out_dir: str,
 
 def write_summary(base_config: str, specs: list[RunSpec], out_dir: str,
                   extra: dict[str, str]) -> list[dict]:
-    """Table (JSON, markdown) and map of every run of the plan found finished in ``out_dir``;
-    ``extra``: the ``--override`` fields, which the table reports as the runs used them."""
-    fields = [k for k, _ in specs[0].overrides] + [k for k in extra if k not in
-                                                   dict(specs[0].overrides)]
-    rows = [table_row(s, build_config(base_config, s, extra),
-                      read_result(os.path.join(out_dir, s.run_id)), fields) for s in specs]
+    """Table (JSON, markdown) and map of every run of the plan found finished in ``out_dir``.
+
+    Each row reports the sweep's fields, the ``--override`` fields (``extra``) and the map's
+    axes as the run's own config.json has them (as planned for runs not started)."""
+    fields = list(dict.fromkeys([field_path(k) for k, _ in specs[0].overrides]
+                                + [field_path(k) for k in extra] + list(MAP_AXES)))
+    rows = []
+    for spec in specs:
+        workdir = os.path.join(out_dir, spec.run_id)
+        config = run_config(workdir, build_config(base_config, spec, extra))
+        rows.append(table_row(spec, config, read_result(workdir), fields))
     keys = [k for k in fields if len({str(row[k]) for row in rows}) > 1]
     write_json_atomic(os.path.join(out_dir, "summary.json"), rows)
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
         f.write(markdown(rows, keys))
-    if all(k in fields for k in MAP_AXES):
+    if all(k in keys for k in MAP_AXES[:2]):  # the sweep varies depth and learning rate
         stability_map(rows, os.path.join(out_dir, "stability_map.png"))
     return rows
 
 
-def process_allocator(base_config: str, specs: list[RunSpec], extra: dict[str, str]) -> str:
-    """``runtime.allocator`` of the sweep's configs: one allocator serves the whole process, so
-    ``runtime.*`` may be set by ``--override`` but is not a sweep axis."""
-    axes = [key for key, _ in specs[0].overrides if key.startswith("runtime.")]
-    if axes:
-        raise app.UsageError(f"the sweep varies {axes}: runtime.* is one per process; set it "
+def check_overrides(specs: list[RunSpec], extra: dict[str, str]) -> None:
+    """``--override`` may set any field but those the sweep varies (it would make runs with
+    different ids identical); ``runtime.*`` (one per process) may not be a sweep field."""
+    swept = {field_path(k) for k, _ in specs[0].overrides}
+    varied = {field_path(k) for k, _ in specs[0].overrides
+              if len({str(s.override(k)) for s in specs}) > 1}
+    if clash := sorted(varied & {field_path(k) for k in extra}):
+        raise app.UsageError(f"--override sets {clash}, which the sweep varies from run to run; "
+                             "change the sweep file instead")
+    if runtime := sorted(k for k in swept if k.startswith("runtime.")):
+        raise app.UsageError(f"the sweep sets {runtime}: runtime.* is one per process; set it "
                              "with --override runtime.allocator=X instead")
+
+
+def process_allocator(base_config: str, specs: list[RunSpec], extra: dict[str, str]) -> str:
+    """``runtime.allocator`` of the sweep's configs (the same for every run)."""
     return build_config(base_config, specs[0], extra).runtime.allocator
 
 
@@ -181,6 +206,7 @@ def main(argv: list[str]) -> None:
     base_config, specs = plan_file(FLAGS.sweep)
     index, count = parse_shard(FLAGS.shard)
     extra = dict(item.split("=", 1) for item in FLAGS.override)
+    check_overrides(specs, extra)
     use_allocator(process_allocator(base_config, specs, extra))  # may re-execute this command
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     if not FLAGS.report_only:

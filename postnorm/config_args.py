@@ -43,9 +43,14 @@ def _parse_value(text: str, current: object, key: str) -> object:
     return text
 
 
+def field_path(key: str) -> str:
+    """The dotted path (``opt.lr``) of ``key``, which is a path or an alias (``lr``)."""
+    return ALIASES.get(key, key)
+
+
 def set_field(config: ml_collections.ConfigDict, key: str, text: str) -> None:
     """Set the dotted field ``key`` (or alias) of ``config`` from the string ``text``."""
-    path = ALIASES.get(key, key)
+    path = field_path(key)
     node = config
     *parents, leaf = path.split(".")
     for part in parents:

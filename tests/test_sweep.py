@@ -156,15 +156,21 @@ def test_summary_table_and_stability_map(tmp_path):
         config = sweep.build_config(base, spec, {"train.steps": "4"})
         trainer = RecordingTrainer(nonfinite=number == 2)
         run_record.run_once(config, os.path.join(out_dir, spec.run_id), train_fn=trainer)
-    rows = sweep_cli.write_summary(base, specs, out_dir, {"train.steps": "4"})
+    # Rows report each run's fields from its config.json: the finished runs trained 4 steps,
+    # and the override (given by its alias) holds for the runs not started.
+    rows = sweep_cli.write_summary(base, specs, out_dir, {"steps": "4"})
     assert [r["status"] for r in rows[:4]] == ["done", "done", "nonfinite", "missing"]
-    # The fields are the runs' own: the sweep's values, then the override of train.steps.
     for spec, row in zip(specs, rows, strict=True):
         assert {k: row[k] for k, _ in spec.overrides} == {**dict(spec.overrides),
                                                            "train.steps": 4}
+    # Without the override, the finished runs still report the 4 steps they ran.
+    rows = sweep_cli.write_summary(base, specs, out_dir, {})
+    assert [r["train.steps"] for r in rows[:4]] == [4, 4, 4, 300]
     assert rows[0]["loss_over_lfreq"] == pytest.approx((9 / 2 + 9 / 3 + 9 / 4) / 3 / 5 + 1)
     table = (tmp_path / "summary.md").read_text()
-    assert table.splitlines()[0].startswith("| model.n_layers | model.norm | opt.lr | status |")
+    # train.steps differs between the runs that ran (4) and those planned (300), so it is shown.
+    assert table.splitlines()[0].startswith(
+        "| model.n_layers | model.norm | opt.lr | train.steps | status |")
     assert len(table.splitlines()) == 2 + 18
     assert (tmp_path / "stability_map.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -209,8 +215,17 @@ def test_the_process_allocator_comes_from_the_config_and_overrides_not_a_sweep_a
     assert sweep_cli.process_allocator(
         STABILITY_BASE, specs, {"runtime.allocator": "system"}) == "system"
     axis = sweep.plan([{"runtime.allocator": a, "opt.lr": 1e-3} for a in ("auto", "system")])
-    with pytest.raises(app.UsageError, match=r"varies \['runtime.allocator'\].*--override"):
-        sweep_cli.process_allocator(STABILITY_BASE, axis, {})
+    with pytest.raises(app.UsageError, match=r"sets \['runtime.allocator'\].*--override"):
+        sweep_cli.check_overrides(axis, {})
+
+
+@pytest.mark.parametrize("key", ["opt.lr", "lr", "model.norm"])
+def test_an_override_of_a_field_the_sweep_varies_is_refused(key):
+    _, specs = sweep.plan_file(STABILITY)
+    with pytest.raises(app.UsageError, match=r"--override sets \['(opt.lr|model.norm)'\], "
+                                             "which the sweep varies"):
+        sweep_cli.check_overrides(specs, {key: "post" if key == "model.norm" else "1e-3"})
+    sweep_cli.check_overrides(specs, {"steps": "4", "runtime.allocator": "system"})
 
 
 @pytest.mark.parametrize("override", [[], ["--override", "runtime.allocator=system"]])
