@@ -4,11 +4,11 @@
     taskset -c 0 python -m benchmarks.profile_step --config configs/default.py --program diag
 
 Compiles the train step (``--program diag``: the diagnostic step) for the config's model on
-random tokens, runs two warm-up steps, then
-traces one step with ``jax.profiler`` (a Perfetto trace in ``--trace_dir``). Each XLA op of the
-trace is mapped through the compiled HLO's ``op_name`` metadata to a part (attention
-projections, attention core = scores/softmax/PV, FFN, norms, LM head and loss, optimizer, and
-the diagnostic step's statistics, forward and backward taps: ``diag_stats``),
+random tokens, runs two warm-up steps, then traces one step with ``jax.profiler`` (a Perfetto
+trace in ``--trace_dir``). Each XLA op of the trace is mapped through the compiled HLO's
+``op_name`` metadata to a part (attention projections, attention core = scores/softmax/PV,
+FFN, norms, LM head and loss, optimizer, and the diagnostic step's statistics, forward
+statistics, backward taps and per-layer norms: ``diag_stats``),
 a pass (forward or backward) and a kind (matmul or other). Prints JSON: the step's wall time,
 the summed op time per group, largest first, and the ``--top_ops`` HLO op kinds with the most
 time (an op's name without its numeric suffix, e.g. ``bitcast_dynamic-update-slice_fusion``).
@@ -52,7 +52,7 @@ def op_group(op_name: str, hlo_name: str) -> tuple[str, str, str]:
     parts = [p for p in scopes
              if p in ("attn", "attn_core", "ffn", "norm_attn", "norm_ffn", "Decoder.logits")]
     if STATS_SCOPE in scopes:
-        part = "diag_stats"
+        part = STATS_SCOPE
     elif parts:
         part = parts[-1]
     elif "Decoder" in op_name:

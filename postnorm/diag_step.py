@@ -12,6 +12,7 @@ import numpy as np
 import optax
 from flax.training.train_state import TrainState
 
+from postnorm.diagnostics import in_stats_scope
 from postnorm.metrics import layer_key
 from postnorm.steps import Batch, cross_entropy
 from postnorm.taps import zero_probes
@@ -48,6 +49,14 @@ def diag_step(state: TrainState, batch: Batch, schedule: optax.Schedule
     metrics = {"train/loss": loss, "train/grad_norm": optax.tree.norm(grads),
                "train/lr": schedule(state.step)}
 
+    return new_state, metrics, gather_diagnostics(forward, probe_grads, state, new_state, grads)
+
+
+@in_stats_scope
+def gather_diagnostics(forward: dict[str, jax.Array], probe_grads: dict[str, jax.Array],
+                       state: TrainState, new_state: TrainState, grads) -> dict[str, jax.Array]:
+    """The forward statistics, the taps' gradient norms and the per-layer parameter, gradient
+    and update norms of one step."""
     diagnostics = dict(forward)
     tap_norms = jax.tree.map(jnp.sqrt, probe_grads)  # squared statistics -> Frobenius norms
     for s, name in enumerate(TAP_NORM_NAMES):
@@ -59,7 +68,7 @@ def diag_step(state: TrainState, batch: Batch, schedule: optax.Schedule
                          ("grad_norm", grads["layers"]), ("update_norm", updates)):
         for group, norms in layer_norms(tree).items():
             diagnostics[f"{prefix}_{group}"] = norms
-    return new_state, metrics, diagnostics
+    return diagnostics
 
 
 def flatten_diagnostics(diagnostics: dict[str, np.ndarray]) -> dict[str, float]:

@@ -8,25 +8,29 @@ All statistics are reduced in float32 and detached from the gradient. Definition
   the norm's input; ``alpha`` is either the RMS of the gain vector or max|gain| (the bound).
 * Effective rank (Roy & Vetterli): exp(entropy of the normalised singular values).
 
-Their ops, and those of the backward taps (``postnorm.taps``), run under the name scope
-``STATS_SCOPE``, so a profile (``benchmarks.profile_step --program diag``) can tell them apart.
+Their ops, those of the backward taps (``postnorm.taps``) and the diagnostic step's per-layer
+norms run under the name scope ``STATS_SCOPE``, so a profile (``benchmarks.profile_step
+--program diag``) can tell them apart.
 """
 
 import functools
 from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 import jax
 import jax.numpy as jnp
 
 ERANK_SEQUENCES = 4  # sequences per batch whose effective rank is averaged
 STATS_SCOPE = "diag_stats"
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-def in_stats_scope(fn: Callable) -> Callable:
+def in_stats_scope(fn: Callable[P, R]) -> Callable[P, R]:
     """``fn`` with its ops under the name scope ``STATS_SCOPE``."""
 
     @functools.wraps(fn)
-    def scoped(*args, **kwargs):
+    def scoped(*args: P.args, **kwargs: P.kwargs) -> R:
         with jax.named_scope(STATS_SCOPE):
             return fn(*args, **kwargs)
 
