@@ -13,8 +13,8 @@ to every process (``jax.distributed.initialize`` is called only when they are gi
 preloaded, before anything is computed.
 
 Exit status: 0 when done or preempted (SIGTERM: a checkpoint was saved; rerun to resume),
-1 for bad flags, 2 for a config, allocator, data or checkpoint error, 3 when a non-finite step
-stopped training.
+1 for bad flags, 2 for a config, allocator, compilation cache, data or checkpoint error, 3 when
+a non-finite step stopped training.
 """
 
 import json

@@ -1,12 +1,14 @@
-"""JAX's persistent compilation cache (``runtime.compilation_cache_dir``; empty: off).
+"""JAX's persistent compilation cache (``runtime.compilation_cache_dir``).
 
 JAX keys each cached program on its HLO, the compile options, the devices and the jax/jaxlib
 versions, so a process whose programs match an earlier process's (a resumed or restarted run,
-another seed of a sweep, the same config run again) loads them instead of compiling them. A
-program whose HLO differs (another shape, learning rate or model setting) misses and is
-compiled as usual. JAX writes only programs that took at least a second to compile, and in a
-multi-process run only process 0 writes: give every host the same directory (a shared file
-system, or a ``gs://`` path) so that all of them read what it wrote.
+the same config run again, or another seed: its train and diagnostic steps, not the
+initializer, which takes the seed as a constant) loads them instead of compiling them. A
+program whose HLO differs (another shape, learning rate or model setting) is compiled as usual.
+JAX writes only programs that took at least a second to compile, and in a multi-process run
+only process 0 writes: give every host the same directory on a shared file system so that all
+of them read what it wrote. The directory grows with every new program; delete it to reclaim
+the space. An empty setting leaves JAX's own default, which is no cache.
 
 Entries are executable code: a directory others can write to lets them run code as you.
 """
@@ -22,32 +24,32 @@ class CompilationCacheError(RuntimeError):
     """``runtime.compilation_cache_dir`` cannot be used; the message names the field and fix."""
 
 
-def use_compilation_cache(directory: str) -> str | None:
-    """Turn the cache on at ``directory`` (``~`` expanded, created if missing) and return its
-    absolute path; None, and nothing changes, when ``directory`` is empty. A URL
-    (``gs://bucket/dir``) is passed to JAX as it is.
+def use_compilation_cache(directory: str) -> None:
+    """Turn the cache on at ``directory`` (``~`` expanded, created if missing); nothing
+    changes when ``directory`` is empty.
 
-    Call before the process compiles anything with another cache directory: JAX opens the
-    cache at the first compilation after one is set, and keeps it for the process.
+    One directory serves a process: JAX opens it at the first compilation after it is set.
     """
     if not directory:
-        return None
+        return
+    field = f"runtime.compilation_cache_dir={directory!r}"
     if "://" in directory:
-        jax.config.update("jax_compilation_cache_dir", directory)
-        logging.info("compilation cache: %s", directory)
-        return directory
+        raise CompilationCacheError(f"{field}: only local or mounted directories are supported; "
+                                    "mount the bucket and give its path")
     path = os.path.abspath(os.path.expanduser(directory))
+    current = jax.config.jax_compilation_cache_dir
+    if current and current != path:
+        raise CompilationCacheError(f"{field}: this process already uses the compilation cache "
+                                    f"at {current}, and one serves a process; run the config in "
+                                    "a new process")
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as err:
         raise CompilationCacheError(
-            f"runtime.compilation_cache_dir={directory!r}: {path} cannot be created or written "
-            f"({err.strerror or err}); point it at a writable directory or set it to '' to "
-            "compile without the cache") from err
+            f"{field}: {path} cannot be created or written ({err.strerror or err}); point it at "
+            "a writable directory or set it to '' to compile without the cache") from err
     jax.config.update("jax_compilation_cache_dir", path)
     logging.info("compilation cache: %s (%d compiled programs)", path,
                  sum(name.endswith("-cache") for name in os.listdir(path)))
-    return path
-

@@ -63,12 +63,17 @@ def jax_cache_dir(tmp_path_factory) -> Path:
     return path
 
 
-def subprocess_env(cache_dir: Path, device_count: int = 1) -> dict[str, str]:
-    """The environment of a main.py subprocess: CPU with ``device_count`` devices."""
-    return {**os.environ, "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={device_count}",
-            "JAX_COMPILATION_CACHE_DIR": str(cache_dir),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+def subprocess_env(cache_dir: Path | None, device_count: int = 1) -> dict[str, str]:
+    """The environment of a main.py subprocess: CPU with ``device_count`` devices, and JAX's
+    compilation cache at ``cache_dir`` for every program (None: no cache from the
+    environment)."""
+    env = {key: value for key, value in os.environ.items()
+           if key != "JAX_COMPILATION_CACHE_DIR"}
+    env.update({"JAX_PLATFORMS": "cpu", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                "XLA_FLAGS": f"--xla_force_host_platform_device_count={device_count}"})
+    if cache_dir is not None:
+        env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
+    return env
 
 
 def start_main(*args: str, log: Path, cache_dir: Path) -> subprocess.Popen:

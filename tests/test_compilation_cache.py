@@ -1,28 +1,30 @@
 """``runtime.compilation_cache_dir``: a second run loads the programs the first one compiled,
 computes the same losses, and an unusable directory is a clear error before anything runs."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 from postnorm.compilation_cache import CompilationCacheError, use_compilation_cache
-from tests.reliability_helpers import REPO, config_flag, read_losses, write_corpus
+from tests.reliability_helpers import (
+    REPO,
+    config_flag,
+    read_losses,
+    subprocess_env,
+    write_corpus,
+)
 
 HIT = "Persistent compilation cache hit for 'jit_guarded'"  # the train and diagnostic steps
 
 
 def _main(config: str, workdir: Path) -> subprocess.CompletedProcess:
-    """main.py on one CPU device with JAX's compiler logging on; no cache set by environment.
-
-    Every program is written to the cache (the tiny model compiles in less than JAX's default
-    threshold of one second)."""
-    env = {key: value for key, value in os.environ.items()
-           if not key.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
-    env.update({"JAX_PLATFORMS": "cpu", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-                "JAX_DEBUG_LOG_MODULES": "jax._src.compiler"})
+    """main.py on one CPU device, with no cache from the environment and JAX's compiler logging
+    on. Every program is written to the cache (the tiny model compiles in less than JAX's
+    default threshold of one second)."""
+    env = {**subprocess_env(None), "JAX_DEBUG_LOG_MODULES": "jax._src.compiler"}
     return subprocess.run([sys.executable, "main.py", "--config", config, "--workdir",
                            str(workdir)], cwd=REPO, capture_output=True, text=True,
                           timeout=300, env=env)
@@ -69,3 +71,15 @@ def test_main_stops_on_an_unusable_cache_directory_before_training(tmp_path):
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()
 
+
+def test_a_url_or_a_second_directory_in_one_process_is_refused(tmp_path):
+    with pytest.raises(CompilationCacheError, match="only local or mounted directories"):
+        use_compilation_cache("gs://bucket/cache")
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "first"))
+    try:  # nothing compiles in between, so the cache is never opened in this process
+        with pytest.raises(CompilationCacheError, match=f"already uses the compilation cache "
+                                                        f"at {tmp_path / 'first'}"):
+            use_compilation_cache(str(tmp_path / "second"))
+    finally:
+        jax.config.update("jax_compilation_cache_dir", None)
+    assert not (tmp_path / "second").exists()
