@@ -29,9 +29,9 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
+from benchmarks.op_groups import hlo_op_names, op_group
 from benchmarks.programs import random_batch
 from postnorm.allocator import use_allocator
-from postnorm.diagnostics import STATS_SCOPE
 from postnorm.model import ModelSpec
 from postnorm.optim import make_optimizer
 from postnorm.sharding import make_mesh
@@ -42,31 +42,6 @@ flags.DEFINE_string("trace_dir", "", "Where the trace goes; empty: a temporary d
 flags.DEFINE_integer("top_ops", 12, "How many HLO op kinds to list by summed time.")
 flags.DEFINE_enum("program", "train", ["train", "diag"], "The step to profile.")
 FLAGS = flags.FLAGS
-
-
-def op_group(op_name: str, hlo_name: str) -> tuple[str, str, str]:
-    """(part, pass, kind) of one op from its ``op_name`` metadata."""
-    direction = "backward" if "transpose(" in op_name else "forward"
-    kind = "matmul" if ("dot_general" in op_name or hlo_name.startswith("dot")) else "other"
-    scopes = op_name.split("/")
-    parts = [p for p in scopes
-             if p in ("attn", "attn_core", "ffn", "norm_attn", "norm_ffn", "Decoder.logits")]
-    if STATS_SCOPE in scopes:
-        part = STATS_SCOPE
-    elif parts:
-        part = parts[-1]
-    elif "Decoder" in op_name:
-        part = "decoder_other"  # embedding, scan bookkeeping
-    elif "jvp" in op_name:
-        part = "loss"
-    else:
-        part = "optimizer_and_guard"
-    return part, direction, kind
-
-
-def hlo_op_names(hlo_text: str) -> dict[str, str]:
-    """``{HLO instruction name: its op_name metadata}`` of a compiled program's text."""
-    return dict(re.findall(r'^\s+%([\w.\-]+) = .*?op_name="([^"]*)"', hlo_text, re.M))
 
 
 def main(_):

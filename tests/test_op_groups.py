@@ -1,9 +1,9 @@
-"""benchmarks.profile_step's grouping on real compiled steps: the diagnostic step's statistics
-(forward statistics and backward taps) form their own group, and the train step has none."""
+"""benchmarks.op_groups on real compiled steps: the diagnostic step's statistics (forward
+statistics, backward taps, per-layer norms) form their own group; the train step has none."""
 
 import collections
 
-from benchmarks.profile_step import hlo_op_names, op_group
+from benchmarks.op_groups import hlo_op_names, op_group
 from benchmarks.programs import build_programs
 from configs.default import get_config
 
