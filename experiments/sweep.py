@@ -15,7 +15,8 @@ then rewrites the table and the map from all finished runs found in DIR:
   L_freq, collapsed yes/no and collapse step (``postnorm.collapse``). ``--override`` may not set
   a field the sweep varies;
 * ``stability_map.png``: per norm placement a depth x lr grid coloured by final loss / L_freq,
-  collapsed cells marked C in a red frame, diverged cells marked x, missing ones left blank.
+  collapsed cells marked C in a red frame, diverged cells marked x, missing ones left blank;
+  drawn when the sweep varies depth and lr, and nothing but them and the norm placement.
 """
 
 import json
@@ -49,21 +50,30 @@ MAP_AXES = ("model.n_layers", "opt.lr", "model.norm")  # rows, columns, panels
 
 
 def field_value(config: dict, path: str) -> object:
-    """The value of the dotted field ``path`` (``model.n_layers``) of a config's JSON data."""
+    """The value of the dotted field ``path`` (``model.n_layers``) of a config's JSON data;
+    None when the config has no such field (a run recorded before the field existed)."""
     node = config
     for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
         node = node[part]
     return node
 
 
 def run_config(workdir: str, planned: ml_collections.ConfigDict) -> dict:
-    """A run's config as JSON data: the ``config.json`` it ran with, if it has started, else
-    ``planned`` (the sweep's overrides, then ``--override``)."""
-    path = os.path.join(workdir, "config.json")
-    if os.path.exists(path):
-        with open(path) as f:
+    """A run's config as JSON data: the ``config.json`` it ran with, if it has started and the
+    file reads, else ``planned`` (the sweep's overrides, then ``--override``)."""
+    try:
+        with open(os.path.join(workdir, "config.json")) as f:
             return json.load(f)
-    return json.loads(planned.to_json_best_effort())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return json.loads(planned.to_json_best_effort())
+
+
+def varied_fields(specs: list[RunSpec]) -> list[str]:
+    """The dotted paths of the sweep's fields that differ between its runs."""
+    return [field_path(k) for k, _ in specs[0].overrides
+            if len({str(s.override(k)) for s in specs}) > 1]
 
 
 def table_row(spec: RunSpec, config: dict, result: dict | None, fields: list[str]) -> dict:
@@ -174,8 +184,15 @@ def write_summary(base_config: str, specs: list[RunSpec], out_dir: str,
     write_json_atomic(os.path.join(out_dir, "summary.json"), rows)
     with open(os.path.join(out_dir, "summary.md"), "w") as f:
         f.write(markdown(rows, keys))
-    if all(k in keys for k in MAP_AXES[:2]):  # the sweep varies depth and learning rate
-        stability_map(rows, os.path.join(out_dir, "stability_map.png"))
+    map_path = os.path.join(out_dir, "stability_map.png")
+    varied = set(varied_fields(specs))
+    if set(MAP_AXES[:2]) <= varied <= set(MAP_AXES):
+        stability_map(rows, map_path)
+    else:
+        logging.info("no stability map: it needs a sweep over %s and %s (and optionally %s) "
+                     "only; this one varies %s", *MAP_AXES, sorted(varied))
+        if os.path.exists(map_path):
+            os.remove(map_path)
     return rows
 
 
@@ -183,9 +200,7 @@ def check_overrides(specs: list[RunSpec], extra: dict[str, str]) -> None:
     """``--override`` may set any field but those the sweep varies (it would make runs with
     different ids identical); ``runtime.*`` (one per process) may not be a sweep field."""
     swept = {field_path(k) for k, _ in specs[0].overrides}
-    varied = {field_path(k) for k, _ in specs[0].overrides
-              if len({str(s.override(k)) for s in specs}) > 1}
-    if clash := sorted(varied & {field_path(k) for k in extra}):
+    if clash := sorted(set(varied_fields(specs)) & {field_path(k) for k in extra}):
         raise app.UsageError(f"--override sets {clash}, which the sweep varies from run to run; "
                              "change the sweep file instead")
     if runtime := sorted(k for k in swept if k.startswith("runtime.")):

@@ -26,6 +26,7 @@ from jax.experimental import multihost_utils
 from postnorm.checkpoint import Checkpointer
 from postnorm.compilation_cache import use_compilation_cache
 from postnorm.data import LMData, load_data
+from postnorm.data.files import write_json_atomic
 from postnorm.data.lfreq import frequency_floor
 from postnorm.diag_step import flatten_diagnostics
 from postnorm.forensics import write_nonfinite_dump
@@ -122,8 +123,8 @@ def evaluate(exp: Experiment, state) -> float:
 
 def _write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
     if jax.process_index() == 0:
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2))
+        write_json_atomic(os.path.join(workdir, "config.json"),
+                          json.loads(config.to_json_best_effort()))
 
 
 def _restore_or_init(exp: Experiment, ckpt: Checkpointer):

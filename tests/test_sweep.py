@@ -175,6 +175,26 @@ def test_summary_table_and_stability_map(tmp_path):
     assert (tmp_path / "stability_map.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_summary_reads_old_and_damaged_config_files_and_draws_a_map_only_for_its_axes(
+        tmp_path):
+    base, specs = sweep.plan_file(STABILITY)
+    old, damaged = (tmp_path / specs[0].run_id), (tmp_path / specs[1].run_id)
+    old.mkdir()
+    data = json.loads(sweep.build_config(base, specs[0], {}).to_json_best_effort())
+    del data["runtime"]  # recorded before the section existed
+    (old / "config.json").write_text(json.dumps(data))
+    damaged.mkdir()
+    (damaged / "config.json").write_text('{"model": {"n_la')  # a write cut short
+    rows = sweep_cli.write_summary(base, specs, str(tmp_path), {"runtime.allocator": "system"})
+    assert rows[0]["runtime.allocator"] is None and rows[1]["runtime.allocator"] == "system"
+    assert rows[1]["model.n_layers"] == specs[1].override("model.n_layers")
+    assert (tmp_path / "stability_map.png").exists()
+    # A sweep that also varies the seed has no depth x lr map: a cell would hold two runs.
+    seeds = sweep.plan([{**dict(s.overrides), "seed": seed} for s in specs[:4] for seed in (0, 1)])
+    rows = sweep_cli.write_summary(base, seeds, str(tmp_path), {})
+    assert len(rows) == 8 and not (tmp_path / "stability_map.png").exists()
+
+
 @pytest.mark.slow
 def test_run_once_with_the_real_trainer_skips_and_resumes(tmp_path):
     """A tiny real run: finished -> skipped; final checkpoint and result removed -> resumed from
