@@ -30,8 +30,8 @@ page faults of each call (median, ``minor_page_faults``), the kernel's transpare
 mode (``transparent_hugepages``) and the heap allocator (``allocator``, from the config's
 ``runtime.allocator``; the same for every variant): under glibc's allocator XLA's CPU runtime
 maps each call's temporaries afresh, so they fault page by page (docs/PERFORMANCE.md). Every
-program is compiled afresh (``benchmarks.programs``), so ``compile_s`` times a compile. Prints
-JSON.
+program is compiled afresh (JAX's persistent compilation cache is kept off), so ``compile_s``
+times a compile. Prints JSON.
 """
 
 import copy
@@ -48,6 +48,7 @@ from ml_collections import config_flags
 from benchmarks.programs import (
     PROGRAMS,
     build_programs,
+    compile_afresh,
     device_memory,
     memory_analysis,
     timed,
@@ -74,6 +75,7 @@ def main(_):
     if unknown:
         raise app.UsageError(f"--programs: unknown {unknown}; choose from {list(PROGRAMS)}")
     allocator = use_allocator(FLAGS.config.runtime.allocator)  # may re-execute this command
+    compile_afresh()
     variants, models = {}, {}
     for overrides in FLAGS.variant:
         config = apply_arg(copy.deepcopy(FLAGS.config), overrides, {})

@@ -37,6 +37,7 @@ from ml_collections import config_flags
 
 from benchmarks.programs import (
     build_programs,
+    compile_afresh,
     minor_page_faults,
     random_tokens,
     timed,
@@ -78,6 +79,7 @@ def profile_step(step_fn: Callable[[], None], top: int) -> dict:
 def main(_):
     config = FLAGS.config
     allocator = use_allocator(config.runtime.allocator)  # may re-execute this command
+    compile_afresh()
     check_model(config)
     check_opt(config)
     check_backend(config, platform=jax.default_backend())

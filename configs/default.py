@@ -77,7 +77,8 @@ def base_config() -> ml_collections.ConfigDict:
     # per-call temporaries mapped; auto uses it when the library is installed
     c.runtime.allocator = "auto"
     # a directory for JAX's persistent compilation cache (e.g. ~/.cache/postnorm/jax): runs whose
-    # programs an earlier run compiled (resumes, re-runs, other seeds' steps) load them; '': none
+    # programs an earlier run compiled (resumes, re-runs, other seeds' steps) load them; '' leaves
+    # JAX's setting (none unless JAX_COMPILATION_CACHE_DIR is set)
     c.runtime.compilation_cache_dir = ""
 
     c.mesh = ml_collections.ConfigDict()

@@ -8,7 +8,8 @@ program whose HLO differs (another shape, learning rate or model setting) is com
 JAX writes only programs that took at least a second to compile, and in a multi-process run
 only process 0 writes: give every host the same directory on a shared file system so that all
 of them read what it wrote. The directory grows with every new program; delete it to reclaim
-the space. An empty setting leaves JAX's own default, which is no cache.
+the space. An empty setting leaves JAX's own setting: no cache, unless the environment sets
+``JAX_COMPILATION_CACHE_DIR``; a directory in the config takes precedence over it.
 
 Entries are executable code: a directory others can write to lets them run code as you.
 """
@@ -19,6 +20,8 @@ import tempfile
 import jax
 from absl import logging
 
+_directory_in_use: str | None = None  # the directory this process set, once set
+
 
 class CompilationCacheError(RuntimeError):
     """``runtime.compilation_cache_dir`` cannot be used; the message names the field and fix."""
@@ -28,7 +31,8 @@ def use_compilation_cache(directory: str) -> None:
     """Turn the cache on at ``directory`` (``~`` expanded, created if missing); nothing
     changes when ``directory`` is empty.
 
-    One directory serves a process: JAX opens it at the first compilation after it is set.
+    One directory serves a process (JAX opens it at the first compilation after it is set and
+    keeps it), so asking for another one later in the same process is an error.
     """
     if not directory:
         return
@@ -36,12 +40,12 @@ def use_compilation_cache(directory: str) -> None:
     if "://" in directory:
         raise CompilationCacheError(f"{field}: only local or mounted directories are supported; "
                                     "mount the bucket and give its path")
+    global _directory_in_use
     path = os.path.abspath(os.path.expanduser(directory))
-    current = jax.config.jax_compilation_cache_dir
-    if current and current != path:
+    if _directory_in_use not in (None, path):
         raise CompilationCacheError(f"{field}: this process already uses the compilation cache "
-                                    f"at {current}, and one serves a process; run the config in "
-                                    "a new process")
+                                    f"at {_directory_in_use}, and one serves a process; run the "
+                                    "config in a new process or give it the same directory")
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
@@ -51,5 +55,6 @@ def use_compilation_cache(directory: str) -> None:
             f"{field}: {path} cannot be created or written ({err.strerror or err}); point it at "
             "a writable directory or set it to '' to compile without the cache") from err
     jax.config.update("jax_compilation_cache_dir", path)
+    _directory_in_use = path
     logging.info("compilation cache: %s (%d compiled programs)", path,
                  sum(name.endswith("-cache") for name in os.listdir(path)))

@@ -67,8 +67,8 @@ def subprocess_env(cache_dir: Path | None, device_count: int = 1) -> dict[str, s
     """The environment of a main.py subprocess: CPU with ``device_count`` devices, and JAX's
     compilation cache at ``cache_dir`` for every program (None: no cache from the
     environment)."""
-    env = {key: value for key, value in os.environ.items()
-           if key != "JAX_COMPILATION_CACHE_DIR"}
+    env = {key: value for key, value in os.environ.items() if not key.startswith(
+        ("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE", "JAX_ENABLE_COMPILATION_CACHE"))}
     env.update({"JAX_PLATFORMS": "cpu", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                 "XLA_FLAGS": f"--xla_force_host_platform_device_count={device_count}"})
     if cache_dir is not None:

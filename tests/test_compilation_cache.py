@@ -5,9 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import pytest
 
+from postnorm import compilation_cache
 from postnorm.compilation_cache import CompilationCacheError, use_compilation_cache
 from tests.reliability_helpers import (
     REPO,
@@ -72,14 +72,12 @@ def test_main_stops_on_an_unusable_cache_directory_before_training(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_a_url_or_a_second_directory_in_one_process_is_refused(tmp_path):
+def test_a_url_or_a_second_directory_in_one_process_is_refused(tmp_path, monkeypatch):
     with pytest.raises(CompilationCacheError, match="only local or mounted directories"):
         use_compilation_cache("gs://bucket/cache")
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "first"))
-    try:  # nothing compiles in between, so the cache is never opened in this process
-        with pytest.raises(CompilationCacheError, match=f"already uses the compilation cache "
-                                                        f"at {tmp_path / 'first'}"):
-            use_compilation_cache(str(tmp_path / "second"))
-    finally:
-        jax.config.update("jax_compilation_cache_dir", None)
+    # As if an earlier run in this process had set a directory (JAX keeps the first it opens).
+    monkeypatch.setattr(compilation_cache, "_directory_in_use", str(tmp_path / "first"))
+    with pytest.raises(CompilationCacheError, match=f"already uses the compilation cache at "
+                                                    f"{tmp_path / 'first'}, and one serves"):
+        use_compilation_cache(str(tmp_path / "second"))
     assert not (tmp_path / "second").exists()
