@@ -21,13 +21,13 @@ from postnorm.sharding import batch_sharding, make_mesh
 from postnorm.step_builder import compile_steps
 
 PROGRAMS = ("train", "diag", "forward")
+THP_SETTING = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def compile_afresh() -> None:
     """Keep JAX's persistent compilation cache (which the environment can turn on) off in this
     process, so that ``Program.compile_s`` times a compile. Call before anything compiles."""
     jax.config.update("jax_enable_compilation_cache", False)
-THP_SETTING = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def transparent_hugepage_mode() -> str | None:

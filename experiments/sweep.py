@@ -32,7 +32,7 @@ from postnorm.config_args import field_path
 from postnorm.data import load_data
 from postnorm.data.files import write_json_atomic
 from postnorm.run_record import is_finished, read_result, run_logged
-from postnorm.sweep import RunSpec, build_config, parse_shard, plan_file, shard
+from postnorm.sweep import RunSpec, build_config, parse_shard, plan_file, shard, varying_keys
 from postnorm.workers import run_pinned
 
 matplotlib.use("Agg")
@@ -72,8 +72,7 @@ def run_config(workdir: str, planned: ml_collections.ConfigDict) -> dict:
 
 def varied_fields(specs: list[RunSpec]) -> list[str]:
     """The dotted paths of the sweep's fields that differ between its runs."""
-    return [field_path(k) for k, _ in specs[0].overrides
-            if len({str(s.override(k)) for s in specs}) > 1]
+    return [field_path(k) for k in varying_keys([dict(s.overrides) for s in specs])]
 
 
 def table_row(spec: RunSpec, config: dict, result: dict | None, fields: list[str]) -> dict:

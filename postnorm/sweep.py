@@ -59,6 +59,12 @@ def run_id(overrides: dict[str, object], keys: list[str]) -> str:
     return _UNSAFE.sub("-", "_".join(parts))
 
 
+def varying_keys(grid: list[dict[str, object]]) -> list[str]:
+    """The keys of ``grid``'s entries whose values differ between entries, sorted."""
+    keys = sorted({key for overrides in grid for key in overrides})
+    return [k for k in keys if len({_value_text(o[k]) for o in grid}) > 1]
+
+
 def plan(grid: list[dict[str, object]]) -> list[RunSpec]:
     """RunSpecs in grid order; ids name the keys whose values vary (all keys if none vary)."""
     keys = sorted({key for overrides in grid for key in overrides})
@@ -66,7 +72,7 @@ def plan(grid: list[dict[str, object]]) -> list[RunSpec]:
         if sorted(overrides) != keys:
             raise ValueError(f"sweep entry {index} sets {sorted(overrides)}, others set {keys}: "
                              "every entry must set the same keys")
-    varying = [k for k in keys if len({_value_text(o[k]) for o in grid}) > 1] or keys
+    varying = varying_keys(grid) or keys
     specs = [RunSpec(run_id(o, varying), tuple((k, o[k]) for k in keys)) for o in grid]
     ids = [s.run_id for s in specs]
     if len(set(ids)) != len(ids):
