@@ -13,11 +13,10 @@ to every process (``jax.distributed.initialize`` is called only when they are gi
 preloaded, before anything is computed.
 
 Exit status: 0 when done or preempted (SIGTERM: a checkpoint was saved; rerun to resume),
-1 for bad flags, 2 for a config, allocator, compilation cache, data or checkpoint error, 3 when
-a non-finite step stopped training.
+1 for bad flags, 2 for a config, allocator, compilation cache, data or checkpoint error or a
+workdir that holds another config's run, 3 when a non-finite step stopped training.
 """
 
-import json
 import os
 import sys
 
@@ -36,6 +35,7 @@ from postnorm.nonfinite import NonFiniteError
 from postnorm.plots import render_run_plots
 from postnorm.preemption import Preempted
 from postnorm.report import write_report
+from postnorm.run_config import WorkdirConfigError, config_data
 from postnorm.validation import ConfigError, check_model
 
 FLAGS = flags.FLAGS
@@ -88,7 +88,7 @@ def main(argv: list[str]) -> None:
     except Preempted as stop:
         print(f"postnorm: {stop}", file=sys.stderr)
     except (ConfigError, AllocatorError, CompilationCacheError, DataError,
-            CheckpointError) as err:
+            CheckpointError, WorkdirConfigError) as err:
         print(f"postnorm: error: {err}", file=sys.stderr)
         sys.exit(2)
     except NonFiniteError as err:
@@ -110,7 +110,7 @@ def run(argv: list[str]) -> None:
             print(path)
         return
     if FLAGS.mode == "report":
-        print(write_report(FLAGS.workdir, json.loads(config.to_json_best_effort())))
+        print(write_report(FLAGS.workdir, config_data(config)))
         return
     allocator = use_allocator(config.runtime.allocator)  # may re-execute this command
     init_distributed()

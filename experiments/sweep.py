@@ -31,6 +31,7 @@ from postnorm.allocator import use_allocator
 from postnorm.config_args import field_path
 from postnorm.data import load_data
 from postnorm.data.files import write_json_atomic
+from postnorm.run_config import WorkdirConfigError, config_data, read_run_config
 from postnorm.run_record import is_finished, read_result, run_logged
 from postnorm.sweep import RunSpec, build_config, parse_shard, plan_file, shard, varying_keys
 from postnorm.workers import run_pinned
@@ -64,10 +65,11 @@ def run_config(workdir: str, planned: ml_collections.ConfigDict) -> dict:
     """A run's config as JSON data: the ``config.json`` it ran with, if it has started and the
     file reads, else ``planned`` (the sweep's overrides, then ``--override``)."""
     try:
-        with open(os.path.join(workdir, "config.json")) as f:
-            return json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return json.loads(planned.to_json_best_effort())
+        recorded = read_run_config(workdir)
+    except WorkdirConfigError as err:
+        logging.warning("%s; the summary uses the planned config", err)
+        recorded = None
+    return config_data(planned) if recorded is None else recorded
 
 
 def varied_fields(specs: list[RunSpec]) -> list[str]:

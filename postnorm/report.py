@@ -26,6 +26,7 @@ from postnorm.collapse import (
 )
 from postnorm.collapse_plots import render_collapse_figures
 from postnorm.plots import layer_series, plot_heatmaps, read_metrics
+from postnorm.run_config import config_path, read_run_config
 
 REPORT_NAME = "report.html"
 VANISHING_FACTOR = 100.0  # early-layer ||dL/dX|| falling by more than this is flagged
@@ -122,14 +123,12 @@ def _thm38_section(record: dict) -> str:
 def build_report(workdir: str, fallback_config: dict | None = None,
                  rule: CollapseRule = DEFAULT_RULE) -> str:
     """The report's HTML, with the run's ``config.json`` (else ``fallback_config``)."""
-    config_path = os.path.join(workdir, "config.json")
-    if os.path.exists(config_path):
-        with open(config_path) as f:
-            config = json.load(f)
-    elif fallback_config is not None:
+    config = read_run_config(workdir)
+    if config is None:
+        if fallback_config is None:
+            raise FileNotFoundError(f"{config_path(workdir)} does not exist and no config "
+                                    "was given")
         config = fallback_config
-    else:
-        raise FileNotFoundError(f"{config_path} does not exist and no config was given")
     records = read_metrics(workdir)
     series = layer_series(records)
     collapse = detect_collapse(records, rule) if "tsim_attn" in series else None

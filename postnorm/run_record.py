@@ -6,10 +6,10 @@ written for the same config (sha256 of its canonical JSON; process settings such
 ``done`` while the newest finalized checkpoint is at ``train.steps``, or ended with status
 ``nonfinite`` (a NaN/Inf step stopped it under ``train.nonfinite=abort``: rerunning would repeat
 it). Anything else is rerun through the trainer, which resumes from the latest checkpoint.
-A workdir whose ``config.json`` holds a different config is refused rather than overwritten.
+A workdir whose ``config.json`` holds a different config is refused rather than overwritten
+(``postnorm.run_config.check_run_config``).
 """
 
-import hashlib
 import json
 import os
 import time
@@ -22,29 +22,12 @@ from postnorm.collapse import DEFAULT_RULE, CollapseRule, detect_collapse
 from postnorm.data.files import write_json_atomic
 from postnorm.nonfinite import NonFiniteError
 from postnorm.plots import read_metrics
+from postnorm.run_config import check_run_config, config_digest
 from postnorm.run_summary import summarize
 from postnorm.train import train_and_evaluate
 
 RESULT_NAME = "result.json"
 TrainFn = Callable[[ml_collections.ConfigDict, str], object]
-
-
-# Sections that choose how the process runs, not what it computes: left out of a run's
-# identity, so changing them (or a run recorded before they existed) is the same run.
-PROCESS_SECTIONS = ("runtime",)
-
-
-def canonical_config(config: ml_collections.ConfigDict | dict) -> dict:
-    """The config as plain JSON data (what ``train`` writes to ``config.json``), without
-    ``PROCESS_SECTIONS``."""
-    data = config if isinstance(config, dict) else json.loads(config.to_json_best_effort())
-    return {k: v for k, v in data.items() if k not in PROCESS_SECTIONS}
-
-
-def config_digest(config: ml_collections.ConfigDict) -> str:
-    """sha256 of the config's canonical JSON (sorted keys)."""
-    text = json.dumps(canonical_config(config), sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def latest_checkpoint_step(workdir: str) -> int | None:
@@ -75,21 +58,6 @@ def is_finished(workdir: str, config: ml_collections.ConfigDict) -> bool:
     return result["status"] == "done" and latest_checkpoint_step(workdir) == config.train.steps
 
 
-def check_workdir_config(workdir: str, config: ml_collections.ConfigDict) -> None:
-    """Raise ``ValueError`` if ``workdir`` already holds a run of a different config."""
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        existing = canonical_config(json.load(f))
-    wanted = canonical_config(config)
-    if existing != wanted:
-        changed = sorted(k for k in set(existing) | set(wanted)
-                         if existing.get(k) != wanted.get(k))
-        raise ValueError(f"{workdir} holds a run of a different config (sections {changed} "
-                         "differ); use a new output directory or move the old run aside")
-
-
 def run_metrics_summary(workdir: str, rule: CollapseRule = DEFAULT_RULE) -> dict:
     """Loss against L_freq (``run_summary.summarize``) and the collapse detection of a run."""
     records = read_metrics(workdir)
@@ -112,7 +80,7 @@ def run_once(config: ml_collections.ConfigDict, workdir: str, *,
     """
     if is_finished(workdir, config):
         return read_result(workdir)
-    check_workdir_config(workdir, config)
+    check_run_config(workdir, config)
     os.makedirs(workdir, exist_ok=True)
     resumed_from = latest_checkpoint_step(workdir)
     start = time.perf_counter()

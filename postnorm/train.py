@@ -13,7 +13,6 @@ the loop saves a checkpoint after the current step and raises ``Preempted``.
 """
 
 import dataclasses
-import json
 import os
 
 import jax
@@ -23,7 +22,7 @@ from absl import logging
 from clu import parameter_overview
 from jax.experimental import multihost_utils
 
-from postnorm.checkpoint import Checkpointer
+from postnorm.checkpoint import Checkpointer, CheckpointError
 from postnorm.compilation_cache import use_compilation_cache
 from postnorm.data import LMData, load_data
 from postnorm.data.files import write_json_atomic
@@ -36,6 +35,7 @@ from postnorm.nonfinite import GuardedState, NonFiniteError
 from postnorm.optim import make_optimizer
 from postnorm.plots import render_run_plots
 from postnorm.preemption import Preempted, PreemptionWatch
+from postnorm.run_config import check_run_config, write_run_config
 from postnorm.sharding import batch_sharding, make_mesh
 from postnorm.step_builder import CompiledSteps, compile_steps
 from postnorm.validation import check_config, check_vocab_layout
@@ -121,12 +121,6 @@ def evaluate(exp: Experiment, state) -> float:
     return float(np.mean(batch_losses(exp, state, exp.eval_batches)))
 
 
-def _write_config(config: ml_collections.ConfigDict, workdir: str) -> None:
-    if jax.process_index() == 0:
-        write_json_atomic(os.path.join(workdir, "config.json"),
-                          json.loads(config.to_json_best_effort()))
-
-
 def _restore_or_init(exp: Experiment, ckpt: Checkpointer):
     """(state, step, data iterator) of the latest usable checkpoint, or of step 0."""
     data_iter = train_iterator(exp)
@@ -155,14 +149,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     check_config(config, device_count=jax.device_count(), process_count=jax.process_count())
     use_compilation_cache(config.runtime.compilation_cache_dir)
     workdir = os.path.abspath(os.path.expanduser(workdir))
+    check_run_config(workdir, config)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), save_every=config.train.ckpt_every,
                         keep=config.train.keep_ckpts)
     try:
         exp = build_experiment(config)
-        _write_config(config, workdir)
         if jax.process_index() == 0:
-            with open(os.path.join(workdir, "data_info.json"), "w") as f:
-                json.dump(exp.data.info, f, indent=2)
+            write_run_config(workdir, config)
+        if jax.process_index() == 0:
+            write_json_atomic(os.path.join(workdir, "data_info.json"), exp.data.info)
         state, start, data_iter = _restore_or_init(exp, ckpt)
         if jax.process_index() == 0:
             parameter_overview.log_parameter_overview(state.params)
@@ -346,7 +341,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> floa
     finally:
         ckpt.close()
     if restored is None:
-        raise FileNotFoundError(f"no checkpoint in {ckpt.directory}: train first "
+        raise CheckpointError(f"no checkpoint in {ckpt.directory}: train first "
                                 f"(--mode=train) or point --workdir at a trained run")
     state, step = restored
     loss = evaluate(exp, state)

@@ -13,7 +13,7 @@ from absl import app
 
 from configs.default import get_config
 from experiments import sweep as sweep_cli
-from postnorm import run_record, sweep
+from postnorm import run_config, run_record, sweep
 from postnorm.metrics import layer_key
 from postnorm.nonfinite import NonFiniteError
 from postnorm.train import train_and_evaluate
@@ -134,7 +134,7 @@ def test_process_settings_do_not_change_the_run(tmp_path):
     del recorded["runtime"]
     with open(path, "w") as f:
         json.dump(recorded, f)
-    run_record.check_workdir_config(workdir, other_allocator)
+    run_config.check_run_config(workdir, other_allocator)
     run_record.run_once(other_allocator, workdir, train_fn=trainer)
     assert trainer.calls == [workdir]
 

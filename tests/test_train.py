@@ -9,7 +9,7 @@ import pytest
 
 from configs.default import get_config
 from postnorm import train
-from postnorm.checkpoint import Checkpointer
+from postnorm.checkpoint import Checkpointer, CheckpointError
 from postnorm.data import DataError, load_data
 from postnorm.data.lfreq import frequency_floor
 from postnorm.model import ModelSpec
@@ -56,13 +56,17 @@ def test_twenty_steps_lower_the_loss_and_write_outputs(corpus, tmp_path):
 
 
 def test_resume_reproduces_losses_exactly(corpus, tmp_path):
-    """Resuming from the step-4 checkpoint repeats steps 5..8 bit for bit."""
+    """Resuming from the step-4 checkpoint repeats steps 5..8 bit for bit, also when the
+    resume changes what is logged and diagnosed (``run_config.RESUMABLE_FIELDS``)."""
     config = tiny_config(corpus, tmp_path / "tfds", train__steps=8, train__ckpt_every=4)
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     train_and_evaluate(config, str(full))
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(full / "checkpoints" / "4", resumed / "checkpoints" / "4")
-    train_and_evaluate(config, str(resumed))
+    shutil.copy(full / "config.json", resumed / "config.json")
+    watched_differently = config.copy_and_resolve_references()
+    watched_differently.diag.every = watched_differently.train.eval_every = 3
+    train_and_evaluate(watched_differently, str(resumed))
     want, got = read_losses(full), read_losses(resumed)
     assert sorted(got) == [5, 6, 7, 8]
     for step in got:
@@ -125,3 +129,10 @@ def test_a_failed_build_still_closes_the_checkpointer(entry, corpus, tmp_path, m
     with pytest.raises(DataError, match="lower the eval batch count"):
         entry(config, str(tmp_path / "run"))
     assert closed == ["checkpoints"]
+
+
+def test_evaluating_a_workdir_without_checkpoints_is_a_checkpoint_error(corpus, tmp_path):
+    """main.py maps CheckpointError to exit 2 with the message; the message says what to do."""
+    config = tiny_config(corpus, tmp_path / "tfds")
+    with pytest.raises(CheckpointError, match=r"no checkpoint in .*/run/checkpoints: train first"):
+        train.evaluate_checkpoint(config, str(tmp_path / "run"))

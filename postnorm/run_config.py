@@ -1,0 +1,120 @@
+"""The config a workdir's run was recorded with: ``<workdir>/config.json``.
+
+The trainer writes it (atomically) before its first step and checks it on every later start:
+a workdir holds the run of one config. A resume may change only how the run is watched and
+saved (``RESUMABLE_FIELDS``) and how the process runs (``PROCESS_SECTIONS``); any other
+difference (the model, the data, the optimiser, the length of the schedule) would make the
+recorded run a mixture of two configs, so it is refused before anything is overwritten.
+"""
+
+import hashlib
+import json
+import os
+
+import ml_collections
+
+from postnorm.data.files import write_json_atomic
+
+CONFIG_NAME = "config.json"
+
+# Sections that choose how the process runs, not what it computes: left out of a run's
+# identity, so changing them (or a run recorded before they existed) is the same run.
+PROCESS_SECTIONS = ("runtime",)
+
+# Fields a resume may change: they set what is logged, evaluated, diagnosed and kept, not the
+# parameters any step computes.
+RESUMABLE_FIELDS = ("train.log_every", "train.eval_every", "train.ckpt_every",
+                    "train.keep_ckpts", "diag.every")
+
+
+class WorkdirConfigError(ValueError):
+    """A workdir's ``config.json`` is unreadable or records a different config."""
+
+
+def config_data(config: ml_collections.ConfigDict) -> dict:
+    """The config as plain JSON data, as ``config.json`` holds it."""
+    return json.loads(config.to_json_best_effort())
+
+
+def canonical_config(config: ml_collections.ConfigDict | dict) -> dict:
+    """The config's JSON data without ``PROCESS_SECTIONS``: the run's identity."""
+    data = config if isinstance(config, dict) else config_data(config)
+    return {k: v for k, v in data.items() if k not in PROCESS_SECTIONS}
+
+
+def config_digest(config: ml_collections.ConfigDict | dict) -> str:
+    """sha256 of the config's canonical JSON (sorted keys)."""
+    text = json.dumps(canonical_config(config), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def config_path(workdir: str) -> str:
+    return os.path.join(workdir, CONFIG_NAME)
+
+
+def read_run_config(workdir: str) -> dict | None:
+    """The recorded config's JSON data, or None when the workdir has none yet.
+
+    Raises ``WorkdirConfigError`` naming the file when it cannot be read as a JSON object.
+    """
+    path = config_path(workdir)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise WorkdirConfigError(
+            f"{path} cannot be read ({err}): restore it, or move the run aside and use a "
+            "new --workdir") from err
+    if not isinstance(data, dict):
+        raise WorkdirConfigError(f"{path} holds {type(data).__name__}, not a config object: "
+                                 "restore it, or move the run aside and use a new --workdir")
+    return data
+
+
+def write_run_config(workdir: str, config: ml_collections.ConfigDict) -> None:
+    write_json_atomic(config_path(workdir), config_data(config))
+
+
+def _flatten(data: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, path + "."))
+        else:
+            flat[path] = value
+    return flat
+
+
+def changed_fields(recorded: dict, config: ml_collections.ConfigDict | dict) -> list[str]:
+    """Dotted paths whose values differ between two configs (``PROCESS_SECTIONS`` ignored);
+    a field present in only one of them counts as changed."""
+    old, new = _flatten(canonical_config(recorded)), _flatten(canonical_config(config))
+    missing = object()
+    return sorted(k for k in old.keys() | new.keys()
+                  if old.get(k, missing) != new.get(k, missing))
+
+
+def check_run_config(workdir: str, config: ml_collections.ConfigDict,
+                     resumable: tuple[str, ...] = RESUMABLE_FIELDS) -> None:
+    """Raise ``WorkdirConfigError`` when ``workdir`` records a run of a config that differs
+    from ``config`` in a field outside ``resumable``; the message names the fields."""
+    recorded = read_run_config(workdir)
+    if recorded is None:
+        return
+    refused = [k for k in changed_fields(recorded, config) if k not in resumable]
+    if not refused:
+        return
+    old, new = _flatten(recorded), _flatten(config_data(config))
+
+    def value(flat: dict, key: str) -> str:
+        return repr(flat[key]) if key in flat else "absent"
+
+    shown = "; ".join(f"{k}: {value(old, k)} -> {value(new, k)}" for k in refused[:6])
+    more = f"; and {len(refused) - 6} more" if len(refused) > 6 else ""
+    raise WorkdirConfigError(
+        f"{workdir} holds a run of a different config ({config_path(workdir)}): {shown}{more}. "
+        "A resume may change only " + ", ".join(resumable) + " and runtime.*; use a new "
+        "--workdir for this config, or move the old run aside")

@@ -1,0 +1,101 @@
+"""A workdir holds the run of one config: a resume may change only how the run is watched."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from configs.default import get_config
+from postnorm import run_config
+from postnorm.run_config import WorkdirConfigError
+from postnorm.train import train_and_evaluate
+from tests.reliability_helpers import REPO, subprocess_env
+
+
+def recorded_run(tmp_path, **fields):
+    """A workdir whose config.json records ``layers=2`` with ``fields`` (dotted) set."""
+    config = get_config("layers=2")
+    for path, value in fields.items():
+        section, name = path.split(".")
+        config[section][name] = value
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    run_config.write_run_config(str(workdir), config)
+    return workdir, config
+
+
+def test_changed_fields_are_dotted_paths_and_ignore_the_process_section():
+    old = {"model": {"n_layers": 2, "d_model": 64}, "runtime": {"allocator": "auto"}}
+    new = {"model": {"n_layers": 4, "d_model": 64}, "runtime": {"allocator": "system"},
+           "opt": {"lr": 1e-3}}
+    assert run_config.changed_fields(old, new) == ["model.n_layers", "opt.lr"]
+    assert run_config.changed_fields(new, new) == []
+
+
+def test_a_changed_field_is_refused_with_its_values(tmp_path):
+    workdir, config = recorded_run(tmp_path)
+    run_config.check_run_config(str(workdir), config)  # the same config resumes
+    changed = config.copy_and_resolve_references()
+    changed.opt.lr, changed.train.steps = 0.5, 7
+    with pytest.raises(WorkdirConfigError) as err:
+        run_config.check_run_config(str(workdir), changed)
+    message = str(err.value)
+    assert f"{workdir} holds a run of a different config" in message
+    assert "opt.lr: 0.001 -> 0.5" in message
+    assert f"train.steps: {config.train.steps} -> 7" in message
+    assert "use a new --workdir" in message
+
+
+def test_watching_and_process_fields_may_change_on_resume(tmp_path):
+    workdir, config = recorded_run(tmp_path)
+    watched = config.copy_and_resolve_references()
+    for path in run_config.RESUMABLE_FIELDS:
+        section, name = path.split(".")
+        watched[section][name] = watched[section][name] + 1
+    watched.runtime.allocator = "system"
+    run_config.check_run_config(str(workdir), watched)
+
+
+def test_a_config_recorded_before_a_field_existed_names_the_field(tmp_path):
+    workdir, config = recorded_run(tmp_path)
+    data = json.loads((workdir / "config.json").read_text())
+    del data["model"]["rope_base"]
+    (workdir / "config.json").write_text(json.dumps(data))
+    with pytest.raises(WorkdirConfigError, match=r"model.rope_base: absent -> 10000.0"):
+        run_config.check_run_config(str(workdir), config)
+
+
+@pytest.mark.parametrize("text", ['{"model": {"n_lay', "[1, 2]", "\udcff"])
+def test_an_unreadable_config_json_names_the_file(tmp_path, text):
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "config.json").write_text(text, errors="surrogateescape")
+    with pytest.raises(WorkdirConfigError, match=f"{workdir}/config.json .*restore it"):
+        run_config.read_run_config(str(workdir))
+
+
+def test_training_refuses_a_different_config_before_writing_anything(tmp_path):
+    workdir, config = recorded_run(tmp_path)
+    before = (workdir / "config.json").read_bytes()
+    changed = config.copy_and_resolve_references()
+    changed.model.n_layers = 3
+    with pytest.raises(WorkdirConfigError, match="model.n_layers: 2 -> 3"):
+        train_and_evaluate(changed, str(workdir))
+    assert (workdir / "config.json").read_bytes() == before
+    assert sorted(p.name for p in workdir.iterdir()) == ["config.json"]
+
+
+def test_main_exits_2_with_the_message_and_keeps_the_recorded_config(tmp_path):
+    workdir, _ = recorded_run(tmp_path)
+    before = (workdir / "config.json").read_bytes()
+    result = subprocess.run(
+        [sys.executable, "main.py", "--config", "configs/default.py:layers=2,lr=0.5",
+         "--workdir", str(workdir)],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env=subprocess_env(None))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert (f"postnorm: error: {workdir} holds a run of a different config "
+            f"({workdir}/config.json): opt.lr: 0.001 -> 0.5.") in result.stderr
+    assert "Traceback" not in result.stderr
+    assert (workdir / "config.json").read_bytes() == before
+    assert sorted(p.name for p in workdir.iterdir()) == ["config.json"]
