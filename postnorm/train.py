@@ -163,13 +163,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             parameter_overview.log_parameter_overview(state.params)
         reporter = _Reporter(workdir, config.data.batch_size * config.data.seq_len,
                              config.train.steps, exp.data.lfreq)
-        reporter.restart(start, int(state.skipped_steps))
-        watch = PreemptionWatch(start)
         try:
-            _train_loop(exp, ckpt, watch, reporter, state, start, data_iter, workdir)
+            reporter.restart(start, int(state.skipped_steps))
+            watch = PreemptionWatch(start)
+            try:
+                _train_loop(exp, ckpt, watch, reporter, state, start, data_iter, workdir)
+            finally:
+                watch.close()
         finally:
-            watch.close()
-            reporter.close()
+            reporter.close()  # also when the watch or the metric writers fail to start
     finally:
         ckpt.close()  # also when building the experiment fails: waits for orbax's threads
     if jax.process_index() == 0:

@@ -12,6 +12,7 @@ from postnorm import train
 from postnorm.checkpoint import Checkpointer, CheckpointError
 from postnorm.data import DataError, load_data
 from postnorm.data.lfreq import frequency_floor
+from postnorm.metrics import MetricWriter
 from postnorm.model import ModelSpec
 from postnorm.optim import make_optimizer
 from postnorm.sharding import batch_sharding, make_mesh
@@ -136,3 +137,22 @@ def test_evaluating_a_workdir_without_checkpoints_is_a_checkpoint_error(corpus, 
     config = tiny_config(corpus, tmp_path / "tfds")
     with pytest.raises(CheckpointError, match=r"no checkpoint in .*/run/checkpoints: train first"):
         train.evaluate_checkpoint(config, str(tmp_path / "run"))
+
+
+def test_a_failed_start_of_the_loop_closes_the_metric_writer(corpus, tmp_path, monkeypatch):
+    """When the preemption watch fails to start, the opened TensorBoard and JSONL writers are
+    closed (and the checkpointer too)."""
+    closed, close = [], MetricWriter.close
+
+    def recording_close(self):
+        closed.append(type(self).__name__)
+        close(self)
+
+    def failing_watch(start_step):
+        raise RuntimeError(f"no watch at step {start_step}")
+
+    monkeypatch.setattr(MetricWriter, "close", recording_close)
+    monkeypatch.setattr(train, "PreemptionWatch", failing_watch)
+    with pytest.raises(RuntimeError, match="no watch at step 0"):
+        train_and_evaluate(tiny_config(corpus, tmp_path / "tfds"), str(tmp_path / "run"))
+    assert closed == ["MetricWriter"]
