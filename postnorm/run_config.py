@@ -61,8 +61,8 @@ def read_run_config(workdir: str) -> dict | None:
     try:
         with open(path) as f:
             data = json.load(f)
-    except FileNotFoundError:
-        return None
+    except (FileNotFoundError, NotADirectoryError):
+        return None  # not started yet (a workdir that cannot exist fails where it is created)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise WorkdirConfigError(
             f"{path} cannot be read ({err}): restore it, or move the run aside and use a "

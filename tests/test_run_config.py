@@ -99,3 +99,9 @@ def test_main_exits_2_with_the_message_and_keeps_the_recorded_config(tmp_path):
     assert "Traceback" not in result.stderr
     assert (workdir / "config.json").read_bytes() == before
     assert sorted(p.name for p in workdir.iterdir()) == ["config.json"]
+
+
+def test_a_workdir_under_a_file_has_no_recorded_config(tmp_path):
+    """Creating it fails later with its own message (tests/test_filesystem.py)."""
+    (tmp_path / "file").write_text("")
+    assert run_config.read_run_config(str(tmp_path / "file" / "run")) is None
