@@ -13,7 +13,7 @@ then rewrites the table and the map from all finished runs found in DIR:
 * ``summary.json`` / ``summary.md``: per run its swept and ``--override`` fields as its
   config.json has them, the status, final train loss (mean of the last three logged steps),
   L_freq, collapsed yes/no and collapse step (``postnorm.collapse``). ``--override`` may not set
-  a field the sweep varies;
+  a field the run ids name (those the sweep varies; all its fields if it varies none);
 * ``stability_map.png``: per norm placement a depth x lr grid coloured by final loss / L_freq,
   collapsed cells marked C in a red frame, diverged cells marked x, missing ones left blank;
   drawn when the sweep varies depth and lr, and nothing but them and the norm placement.
@@ -33,7 +33,15 @@ from postnorm.data import load_data
 from postnorm.data.files import write_json_atomic
 from postnorm.run_config import WorkdirConfigError, config_data, read_run_config
 from postnorm.run_record import is_finished, read_result, run_logged
-from postnorm.sweep import RunSpec, build_config, parse_shard, plan_file, shard, varying_keys
+from postnorm.sweep import (
+    RunSpec,
+    build_config,
+    id_keys,
+    parse_shard,
+    plan_file,
+    shard,
+    varying_keys,
+)
 from postnorm.workers import run_pinned
 
 matplotlib.use("Agg")
@@ -198,12 +206,15 @@ def write_summary(base_config: str, specs: list[RunSpec], out_dir: str,
 
 
 def check_overrides(specs: list[RunSpec], extra: dict[str, str]) -> None:
-    """``--override`` may set any field but those the sweep varies (it would make runs with
-    different ids identical); ``runtime.*`` (one per process) may not be a sweep field."""
+    """``--override`` may set any field but those the run ids name (the fields the sweep
+    varies, or all its fields when it varies none): runs would then train a value other than
+    their id says, and runs with different ids would be identical. ``runtime.*`` (one per
+    process) may not be a sweep field."""
     swept = {field_path(k) for k, _ in specs[0].overrides}
-    if clash := sorted(set(varied_fields(specs)) & {field_path(k) for k in extra}):
-        raise app.UsageError(f"--override sets {clash}, which the sweep varies from run to run; "
-                             "change the sweep file instead")
+    named = {field_path(k) for k in id_keys([dict(s.overrides) for s in specs])}
+    if clash := sorted(named & {field_path(k) for k in extra}):
+        raise app.UsageError(f"--override sets {clash}, which the sweep varies or its run ids "
+                             "name; change the sweep file instead")
     if runtime := sorted(k for k in swept if k.startswith("runtime.")):
         raise app.UsageError(f"the sweep sets {runtime}: runtime.* is one per process; set it "
                              "with --override runtime.allocator=X instead")

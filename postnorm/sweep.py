@@ -65,15 +65,20 @@ def varying_keys(grid: list[dict[str, object]]) -> list[str]:
     return [k for k in keys if len({_value_text(o[k]) for o in grid}) > 1]
 
 
+def id_keys(grid: list[dict[str, object]]) -> list[str]:
+    """The keys run ids name: those whose values vary, or all keys when none vary."""
+    return varying_keys(grid) or sorted({key for overrides in grid for key in overrides})
+
+
 def plan(grid: list[dict[str, object]]) -> list[RunSpec]:
-    """RunSpecs in grid order; ids name the keys whose values vary (all keys if none vary)."""
+    """RunSpecs in grid order; ids name ``id_keys(grid)``."""
     keys = sorted({key for overrides in grid for key in overrides})
     for index, overrides in enumerate(grid):
         if sorted(overrides) != keys:
             raise ValueError(f"sweep entry {index} sets {sorted(overrides)}, others set {keys}: "
                              "every entry must set the same keys")
-    varying = varying_keys(grid) or keys
-    specs = [RunSpec(run_id(o, varying), tuple((k, o[k]) for k in keys)) for o in grid]
+    named = id_keys(grid)
+    specs = [RunSpec(run_id(o, named), tuple((k, o[k]) for k in keys)) for o in grid]
     ids = [s.run_id for s in specs]
     if len(set(ids)) != len(ids):
         raise ValueError(f"the sweep repeats runs: {sorted({i for i in ids if ids.count(i) > 1})}")

@@ -248,6 +248,14 @@ def test_an_override_of_a_field_the_sweep_varies_is_refused(key):
     sweep_cli.check_overrides(specs, {"steps": "4", "runtime.allocator": "system"})
 
 
+def test_a_one_run_sweep_refuses_an_override_of_a_field_its_run_id_names():
+    specs = sweep.plan([{"opt.lr": 1e-3, "model.n_layers": 4}])
+    assert specs[0].run_id == "n_layers=4_lr=0.001"  # the id names both fields
+    with pytest.raises(app.UsageError, match=r"--override sets \['opt.lr'\]"):
+        sweep_cli.check_overrides(specs, {"lr": "3e-3"})
+    sweep_cli.check_overrides(specs, {"steps": "4"})
+
+
 @pytest.mark.parametrize("override", [[], ["--override", "runtime.allocator=system"]])
 def test_the_sweep_command_writes_the_report(tmp_path, override):
     result = subprocess.run(
