@@ -3,6 +3,7 @@
 Each failure raises ``ConfigError`` naming the field, its value and what is allowed.
 """
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -35,7 +36,8 @@ def _get(config: ml_collections.ConfigDict, path: str):
 def _require(config, path: str, ok: Callable[[object], bool], allowed: str) -> None:
     value = _get(config, path)
     if not ok(value):
-        raise ConfigError(f"{path}={value!r} is invalid: must be {allowed}")
+        finite = "finite and " if isinstance(value, float) and not math.isfinite(value) else ""
+        raise ConfigError(f"{path}={value!r} is invalid: must be {finite}{allowed}")
 
 
 def _is_int(v) -> bool:
@@ -43,7 +45,8 @@ def _is_int(v) -> bool:
 
 
 def _is_num(v) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
+    """A finite int or float (not a bool)."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _positive_int(config, path: str) -> None:
@@ -102,7 +105,8 @@ def check_train(config: ml_collections.ConfigDict) -> None:
     _one_of(config, "train.nonfinite", NONFINITE_POLICIES)
     _require(config, "train.rollback_lr_factor", lambda v: _is_num(v) and 0 < v < 1,
              "a number in (0, 1)")
-    _require(config, "seed", _is_int, "an integer")
+    # the data pipeline's shuffle seeds (seed + epoch) must fit in 32 bits
+    _require(config, "seed", lambda v: _is_int(v) and 0 <= v < 2**31, "an integer in [0, 2**31)")
 
 
 def check_layout(config: ml_collections.ConfigDict, *, device_count: int,

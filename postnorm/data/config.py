@@ -12,6 +12,7 @@ SOURCES = ("embedded", "c4", "text_files")
 TOKENIZERS = ("sentencepiece", "byte")
 # 256 byte-fallback pieces, unk/bos/eos, newline and the characters of any real text.
 MIN_SENTENCEPIECE_VOCAB = 300
+MAX_VOCAB = 2**31 - 1  # token ids are int32
 FIELDS = (
     "source",
     "data_dir",
@@ -37,10 +38,13 @@ def _check_writable_dir(field: str, path: str) -> None:
         )
 
 
-def _check_int(cfg: ml_collections.ConfigDict, field: str, minimum: int) -> None:
+def _check_int(cfg: ml_collections.ConfigDict, field: str, minimum: int,
+               maximum: int | None = None) -> None:
     value = cfg[field]
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise DataError(f"data.{field}={value!r}: must be an integer >= {minimum}.")
+    if (not isinstance(value, int) or isinstance(value, bool) or value < minimum
+            or (maximum is not None and value > maximum)):
+        allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise DataError(f"data.{field}={value!r}: must be an integer {allowed}.")
 
 
 def check_data_config(cfg: ml_collections.ConfigDict) -> None:
@@ -79,4 +83,4 @@ def check_data_config(cfg: ml_collections.ConfigDict) -> None:
     elif cfg.tokenizer_path:
         read_user_sentencepiece(cfg.tokenizer_path)
     else:
-        _check_int(cfg, "vocab_size", MIN_SENTENCEPIECE_VOCAB)
+        _check_int(cfg, "vocab_size", MIN_SENTENCEPIECE_VOCAB, MAX_VOCAB)
