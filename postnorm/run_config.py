@@ -1,10 +1,14 @@
 """The config a workdir's run was recorded with: ``<workdir>/config.json``.
 
-The trainer writes it (atomically) before its first step and checks it on every later start:
-a workdir holds the run of one config. A resume may change only how the run is watched and
-saved (``RESUMABLE_FIELDS``) and how the process runs (``PROCESS_SECTIONS``); any other
-difference (the model, the data, the optimiser, the length of the schedule) would make the
-recorded run a mixture of two configs, so it is refused before anything is overwritten.
+The trainer writes it (atomically) before its first step and checks it whenever it starts on
+a workdir that holds a checkpoint: a workdir holds the run of one config. A resume may change
+only how the run is watched and saved (``RESUMABLE_FIELDS``) and how the process runs
+(``PROCESS_SECTIONS``); any other difference (the model, the data, the optimiser, the length
+of the schedule) would make the recorded run a mixture of two configs, so it is refused
+before anything is overwritten. So is a checkpoint without a ``config.json`` to compare with.
+A workdir without a checkpoint has trained nothing that a new config would contradict: its
+run starts afresh. Evaluating a checkpoint (``check_eval_config``) needs the model and data
+sections it was trained with.
 """
 
 import hashlib
@@ -21,10 +25,15 @@ CONFIG_NAME = "config.json"
 # identity, so changing them (or a run recorded before they existed) is the same run.
 PROCESS_SECTIONS = ("runtime",)
 
-# Fields a resume may change: they set what is logged, evaluated, diagnosed and kept, not the
-# parameters any step computes.
+# Fields a resume may change: they set what is logged, evaluated, diagnosed and kept, and
+# where the prepared data is stored, not the parameters any step computes.
 RESUMABLE_FIELDS = ("train.log_every", "train.eval_every", "train.ckpt_every",
-                    "train.keep_ckpts", "diag.every")
+                    "train.keep_ckpts", "diag.every", "data.data_dir")
+
+# Sections an evaluation of a checkpoint must share with the run that trained it, and the
+# fields of them it may still choose.
+EVAL_SECTIONS = ("model", "data")
+EVAL_FREE_FIELDS = ("data.data_dir", "data.batch_size")
 
 
 class WorkdirConfigError(ValueError):
@@ -52,6 +61,16 @@ def config_path(workdir: str) -> str:
     return os.path.join(workdir, CONFIG_NAME)
 
 
+def latest_checkpoint_step(workdir: str) -> int | None:
+    """The newest finalized checkpoint step (``checkpoints/<step>/``), or None."""
+    directory = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(directory):
+        return None
+    steps = [int(name) for name in os.listdir(directory)
+             if name.isdigit() and os.path.isdir(os.path.join(directory, name))]
+    return max(steps, default=None)
+
+
 def read_run_config(workdir: str) -> dict | None:
     """The recorded config's JSON data, or None when the workdir has none yet.
 
@@ -67,9 +86,10 @@ def read_run_config(workdir: str) -> dict | None:
         raise WorkdirConfigError(
             f"{path} cannot be read ({err}): restore it, or move the run aside and use a "
             "new --workdir") from err
-    if not isinstance(data, dict):
-        raise WorkdirConfigError(f"{path} holds {type(data).__name__}, not a config object: "
-                                 "restore it, or move the run aside and use a new --workdir")
+    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+        raise WorkdirConfigError(f"{path} does not hold a config (an object with a 'model' "
+                                 "section): restore it, or move the run aside and use a new "
+                                 "--workdir")
     return data
 
 
@@ -97,16 +117,8 @@ def changed_fields(recorded: dict, config: ml_collections.ConfigDict | dict) -> 
                   if old.get(k, missing) != new.get(k, missing))
 
 
-def check_run_config(workdir: str, config: ml_collections.ConfigDict,
-                     resumable: tuple[str, ...] = RESUMABLE_FIELDS) -> None:
-    """Raise ``WorkdirConfigError`` when ``workdir`` records a run of a config that differs
-    from ``config`` in a field outside ``resumable``; the message names the fields."""
-    recorded = read_run_config(workdir)
-    if recorded is None:
-        return
-    refused = [k for k in changed_fields(recorded, config) if k not in resumable]
-    if not refused:
-        return
+def _refuse(workdir: str, recorded: dict, config: ml_collections.ConfigDict,
+            refused: list[str], allowed: str) -> None:
     old, new = _flatten(recorded), _flatten(config_data(config))
 
     def value(flat: dict, key: str) -> str:
@@ -116,5 +128,37 @@ def check_run_config(workdir: str, config: ml_collections.ConfigDict,
     more = f"; and {len(refused) - 6} more" if len(refused) > 6 else ""
     raise WorkdirConfigError(
         f"{workdir} holds a run of a different config ({config_path(workdir)}): {shown}{more}. "
-        "A resume may change only " + ", ".join(resumable) + " and runtime.*; use a new "
-        "--workdir for this config, or move the old run aside")
+        f"{allowed}; use a new --workdir for this config, or move the old run aside")
+
+
+def check_run_config(workdir: str, config: ml_collections.ConfigDict,
+                     resumable: tuple[str, ...] = RESUMABLE_FIELDS) -> None:
+    """Raise ``WorkdirConfigError`` when ``workdir`` holds a checkpoint of a run whose config
+    differs from ``config`` in a field outside ``resumable`` (the message names the fields),
+    or a checkpoint without a readable ``config.json``."""
+    step = latest_checkpoint_step(workdir)
+    if step is None:
+        return
+    recorded = read_run_config(workdir)
+    if recorded is None:
+        raise WorkdirConfigError(
+            f"{workdir} holds a checkpoint (step {step}) but no {CONFIG_NAME} to check this "
+            "config against: restore the file, or move the run aside and use a new --workdir")
+    refused = [k for k in changed_fields(recorded, config) if k not in resumable]
+    if refused:
+        _refuse(workdir, recorded, config, refused,
+                "A resume may change only " + ", ".join(resumable) + " and runtime.*")
+
+
+def check_eval_config(workdir: str, config: ml_collections.ConfigDict) -> None:
+    """Raise ``WorkdirConfigError`` when ``workdir``'s recorded run differs from ``config`` in
+    ``EVAL_SECTIONS`` (a checkpoint evaluated as another model, or on other data)."""
+    recorded = read_run_config(workdir)
+    if recorded is None:
+        return
+    refused = [k for k in changed_fields(recorded, config)
+               if k.split(".")[0] in EVAL_SECTIONS and k not in EVAL_FREE_FIELDS]
+    if refused:
+        _refuse(workdir, recorded, config, refused,
+                "An evaluation needs the run's " + " and ".join(EVAL_SECTIONS) + " sections "
+                "(but " + " and ".join(EVAL_FREE_FIELDS) + ")")

@@ -22,22 +22,12 @@ from postnorm.collapse import DEFAULT_RULE, CollapseRule, detect_collapse
 from postnorm.data.files import write_json_atomic
 from postnorm.nonfinite import NonFiniteError
 from postnorm.plots import read_metrics
-from postnorm.run_config import check_run_config, config_digest
+from postnorm.run_config import check_run_config, config_digest, latest_checkpoint_step
 from postnorm.run_summary import summarize
 from postnorm.train import train_and_evaluate
 
 RESULT_NAME = "result.json"
 TrainFn = Callable[[ml_collections.ConfigDict, str], object]
-
-
-def latest_checkpoint_step(workdir: str) -> int | None:
-    """The newest finalized checkpoint step (``checkpoints/<step>/``), or None."""
-    directory = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(directory):
-        return None
-    steps = [int(name) for name in os.listdir(directory)
-             if name.isdigit() and os.path.isdir(os.path.join(directory, name))]
-    return max(steps, default=None)
 
 
 def read_result(workdir: str) -> dict | None:

@@ -35,7 +35,12 @@ from postnorm.nonfinite import GuardedState, NonFiniteError
 from postnorm.optim import make_optimizer
 from postnorm.plots import render_run_plots
 from postnorm.preemption import Preempted, PreemptionWatch
-from postnorm.run_config import check_run_config, write_run_config
+from postnorm.run_config import (
+    check_eval_config,
+    check_run_config,
+    latest_checkpoint_step,
+    write_run_config,
+)
 from postnorm.sharding import batch_sharding, make_mesh
 from postnorm.step_builder import CompiledSteps, compile_steps
 from postnorm.validation import check_config, check_vocab_layout
@@ -335,7 +340,13 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> floa
     check_config(config, device_count=jax.device_count(), process_count=jax.process_count())
     use_compilation_cache(config.runtime.compilation_cache_dir)
     workdir = os.path.abspath(os.path.expanduser(workdir))
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), save_every=config.train.ckpt_every,
+    check_eval_config(workdir, config)
+    directory = os.path.join(workdir, "checkpoints")
+    missing = CheckpointError(f"no checkpoint in {directory}: train first (--mode=train) or "
+                              "point --workdir at a trained run")
+    if latest_checkpoint_step(workdir) is None:
+        raise missing  # before anything is created or loaded
+    ckpt = Checkpointer(directory, save_every=config.train.ckpt_every,
                         keep=config.train.keep_ckpts)
     try:
         exp = build_experiment(config)
@@ -343,8 +354,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> floa
     finally:
         ckpt.close()
     if restored is None:
-        raise CheckpointError(f"no checkpoint in {ckpt.directory}: train first "
-                                f"(--mode=train) or point --workdir at a trained run")
+        raise missing
     state, step = restored
     loss = evaluate(exp, state)
     logging.info("eval of the checkpoint at step %d: loss %.4f | L_freq %.4f", step, loss,

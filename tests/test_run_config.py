@@ -9,20 +9,22 @@ import pytest
 from configs.default import get_config
 from postnorm import run_config
 from postnorm.run_config import WorkdirConfigError
-from postnorm.train import train_and_evaluate
+from postnorm.train import evaluate_checkpoint, train_and_evaluate
 from tests.reliability_helpers import REPO, subprocess_env
 
 
-def recorded_run(tmp_path, **fields):
-    """A workdir whose config.json records ``layers=2`` with ``fields`` (dotted) set."""
+def recorded_run(tmp_path):
+    """A workdir with a step-4 checkpoint directory whose config.json records ``layers=2``."""
     config = get_config("layers=2")
-    for path, value in fields.items():
-        section, name = path.split(".")
-        config[section][name] = value
     workdir = tmp_path / "run"
-    workdir.mkdir()
+    (workdir / "checkpoints" / "4").mkdir(parents=True)
     run_config.write_run_config(str(workdir), config)
     return workdir, config
+
+
+def listing(workdir) -> dict[str, bytes]:
+    return {str(p.relative_to(workdir)): p.read_bytes() if p.is_file() else b""
+            for p in sorted(workdir.rglob("*"))}
 
 
 def test_changed_fields_are_dotted_paths_and_ignore_the_process_section():
@@ -52,9 +54,40 @@ def test_watching_and_process_fields_may_change_on_resume(tmp_path):
     watched = config.copy_and_resolve_references()
     for path in run_config.RESUMABLE_FIELDS:
         section, name = path.split(".")
-        watched[section][name] = watched[section][name] + 1
+        value = watched[section][name]
+        watched[section][name] = value + "/elsewhere" if isinstance(value, str) else value + 1
     watched.runtime.allocator = "system"
     run_config.check_run_config(str(workdir), watched)
+
+
+def test_a_workdir_without_a_checkpoint_starts_afresh_with_any_config(tmp_path):
+    """Nothing was trained (e.g. the first start failed): the new config is not refused."""
+    workdir, config = recorded_run(tmp_path)
+    (workdir / "checkpoints" / "4").rmdir()
+    (workdir / "checkpoints" / "8.orbax-checkpoint-tmp").mkdir()  # never finalized
+    changed = config.copy_and_resolve_references()
+    changed.seed = 7
+    run_config.check_run_config(str(workdir), changed)
+
+
+def test_a_checkpoint_without_its_config_is_refused(tmp_path):
+    workdir, config = recorded_run(tmp_path)
+    (workdir / "config.json").unlink()
+    with pytest.raises(WorkdirConfigError,
+                       match=r"holds a checkpoint \(step 4\) but no config.json"):
+        run_config.check_run_config(str(workdir), config)
+
+
+def test_evaluation_needs_the_runs_model_and_data(tmp_path):
+    workdir, config = recorded_run(tmp_path)
+    other = config.copy_and_resolve_references()
+    other.opt.lr, other.train.eval_batches = 0.5, 9  # not what an evaluation depends on
+    other.data.batch_size, other.data.data_dir = 4, "/elsewhere"
+    run_config.check_eval_config(str(workdir), other)
+    other.model.positions = "none"
+    with pytest.raises(WorkdirConfigError, match=r"model.positions: 'rope' -> 'none'\. An "
+                                                 "evaluation needs the run's model and data"):
+        run_config.check_eval_config(str(workdir), other)
 
 
 def test_a_config_recorded_before_a_field_existed_names_the_field(tmp_path):
@@ -66,7 +99,7 @@ def test_a_config_recorded_before_a_field_existed_names_the_field(tmp_path):
         run_config.check_run_config(str(workdir), config)
 
 
-@pytest.mark.parametrize("text", ['{"model": {"n_lay', "[1, 2]", "\udcff"])
+@pytest.mark.parametrize("text", ['{"model": {"n_lay', "[1, 2]", "{}", "\udcff"])
 def test_an_unreadable_config_json_names_the_file(tmp_path, text):
     workdir = tmp_path / "run"
     workdir.mkdir()
@@ -75,20 +108,20 @@ def test_an_unreadable_config_json_names_the_file(tmp_path, text):
         run_config.read_run_config(str(workdir))
 
 
-def test_training_refuses_a_different_config_before_writing_anything(tmp_path):
+@pytest.mark.parametrize("entry", [train_and_evaluate, evaluate_checkpoint])
+def test_training_and_eval_refuse_another_model_before_writing_anything(tmp_path, entry):
     workdir, config = recorded_run(tmp_path)
-    before = (workdir / "config.json").read_bytes()
+    before = listing(workdir)
     changed = config.copy_and_resolve_references()
     changed.model.n_layers = 3
     with pytest.raises(WorkdirConfigError, match="model.n_layers: 2 -> 3"):
-        train_and_evaluate(changed, str(workdir))
-    assert (workdir / "config.json").read_bytes() == before
-    assert sorted(p.name for p in workdir.iterdir()) == ["config.json"]
+        entry(changed, str(workdir))
+    assert listing(workdir) == before
 
 
 def test_main_exits_2_with_the_message_and_keeps_the_recorded_config(tmp_path):
     workdir, _ = recorded_run(tmp_path)
-    before = (workdir / "config.json").read_bytes()
+    before = listing(workdir)
     result = subprocess.run(
         [sys.executable, "main.py", "--config", "configs/default.py:layers=2,lr=0.5",
          "--workdir", str(workdir)],
@@ -97,8 +130,7 @@ def test_main_exits_2_with_the_message_and_keeps_the_recorded_config(tmp_path):
     assert (f"postnorm: error: {workdir} holds a run of a different config "
             f"({workdir}/config.json): opt.lr: 0.001 -> 0.5.") in result.stderr
     assert "Traceback" not in result.stderr
-    assert (workdir / "config.json").read_bytes() == before
-    assert sorted(p.name for p in workdir.iterdir()) == ["config.json"]
+    assert listing(workdir) == before
 
 
 def test_a_workdir_under_a_file_has_no_recorded_config(tmp_path):

@@ -127,16 +127,20 @@ def test_a_failed_build_still_closes_the_checkpointer(entry, corpus, tmp_path, m
 
     monkeypatch.setattr(Checkpointer, "close", recording_close)
     config = tiny_config(corpus, tmp_path / "data", train__eval_batches=10_000)
+    if entry is train.evaluate_checkpoint:  # it builds only for a workdir with a checkpoint
+        (tmp_path / "run" / "checkpoints" / "1").mkdir(parents=True)
     with pytest.raises(DataError, match="lower the eval batch count"):
         entry(config, str(tmp_path / "run"))
     assert closed == ["checkpoints"]
 
 
 def test_evaluating_a_workdir_without_checkpoints_is_a_checkpoint_error(corpus, tmp_path):
-    """main.py maps CheckpointError to exit 2 with the message; the message says what to do."""
+    """main.py maps CheckpointError to exit 2 with the message; the message says what to do,
+    and nothing is created."""
     config = tiny_config(corpus, tmp_path / "tfds")
     with pytest.raises(CheckpointError, match=r"no checkpoint in .*/run/checkpoints: train first"):
         train.evaluate_checkpoint(config, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_failed_start_of_the_loop_closes_the_metric_writer(corpus, tmp_path, monkeypatch):
