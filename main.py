@@ -13,8 +13,9 @@ to every process (``jax.distributed.initialize`` is called only when they are gi
 preloaded, before anything is computed.
 
 Exit status: 0 when done or preempted (SIGTERM: a checkpoint was saved; rerun to resume),
-1 for bad flags, 2 for a config, allocator, compilation cache, data or checkpoint error or a
-workdir that holds another config's run, 3 when a non-finite step stopped training.
+1 for bad flags, 2 for a config, allocator, compilation cache, data or checkpoint error, a
+workdir that holds another config's run, a damaged ``metrics.jsonl`` or an output that cannot be
+written, 3 when a non-finite step stopped training.
 """
 
 import os
@@ -30,6 +31,7 @@ from postnorm.checkpoint import CheckpointError
 from postnorm.compilation_cache import CompilationCacheError
 from postnorm.data import DataError
 from postnorm.data.tokenizers import read_user_sentencepiece
+from postnorm.metrics import MetricsFileError
 from postnorm.model import ModelSpec, param_count_formula
 from postnorm.nonfinite import NonFiniteError
 from postnorm.plots import render_run_plots
@@ -82,13 +84,17 @@ def init_distributed() -> None:
                                num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
 
 
+class OutputError(OSError):
+    """A plots or report output that could not be written."""
+
+
 def main(argv: list[str]) -> None:
     try:
         run(argv)
     except Preempted as stop:
         print(f"postnorm: {stop}", file=sys.stderr)
     except (ConfigError, AllocatorError, CompilationCacheError, DataError,
-            CheckpointError, WorkdirConfigError) as err:
+            CheckpointError, WorkdirConfigError, MetricsFileError, OutputError) as err:
         print(f"postnorm: error: {err}", file=sys.stderr)
         sys.exit(2)
     except NonFiniteError as err:
@@ -103,14 +109,18 @@ def run(argv: list[str]) -> None:
     if FLAGS.mode == "params":
         print_param_count(config)
         return
-    if FLAGS.workdir is None:
-        raise app.UsageError(f"--workdir is required for --mode={FLAGS.mode}")
-    if FLAGS.mode == "plots":
-        for path in render_run_plots(FLAGS.workdir):
-            print(path)
-        return
-    if FLAGS.mode == "report":
-        print(write_report(FLAGS.workdir, config_data(config)))
+    if FLAGS.workdir is None or not FLAGS.workdir.strip():
+        raise app.UsageError(f"--workdir is required for --mode={FLAGS.mode} (a directory path)")
+    if FLAGS.mode in ("plots", "report"):
+        try:
+            if FLAGS.mode == "plots":
+                for path in render_run_plots(FLAGS.workdir):
+                    print(path)
+            else:
+                print(write_report(FLAGS.workdir, config_data(config)))
+        except OSError as err:
+            raise OutputError(f"--mode={FLAGS.mode} could not write under {FLAGS.workdir} "
+                              f"({err}); make it writable or copy the run elsewhere") from err
         return
     allocator = use_allocator(config.runtime.allocator)  # may re-execute this command
     init_distributed()

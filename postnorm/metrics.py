@@ -22,16 +22,48 @@ def layer_key(name: str, layer: int, n_layers: int) -> str:
     return f"{name}/layer_{layer:0{width}d}"
 
 
+class MetricsFileError(ValueError):
+    """A ``metrics.jsonl`` that is missing or has a line that is not a step's JSON record."""
+
+
+def _complete_lines(path: str) -> list[tuple[bytes, dict]]:
+    """(line, record) of every complete line of ``path``; a last line without its newline (a
+    killed writer's) is left out. Raises ``MetricsFileError`` naming the file and line."""
+    try:
+        with open(path, "rb") as f:
+            lines = f.readlines()
+    except (FileNotFoundError, NotADirectoryError) as err:
+        raise MetricsFileError(f"{path} does not exist: nothing has been logged there; train "
+                               "first or point --workdir at a run") from err
+    out = []
+    for number, line in enumerate(lines, start=1):
+        if not line.endswith(b"\n") or not line.strip():
+            continue
+        try:
+            record = json.loads(line.decode("utf-8"))
+            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                raise ValueError("no integer 'step'")
+        except ValueError as err:  # JSONDecodeError and UnicodeDecodeError included
+            raise MetricsFileError(
+                f"{path} line {number} is not a step's JSON record ({err}); delete that line "
+                "(the other records are kept) and rerun") from err
+        out.append((line, record))
+    return out
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """Every complete record of a ``metrics.jsonl`` (see ``_complete_lines``)."""
+    return [record for _, record in _complete_lines(path)]
+
+
 def truncate_jsonl(path: str, last_step: int) -> None:
     """Drop records after ``last_step`` (a resumed run rewrites the steps it repeats), and a
     last line that a killed writer left without its newline."""
     if not os.path.exists(path):
         return
-    with open(path) as f:
-        kept = [line for line in f if line.endswith("\n") and line.strip()
-                and json.loads(line)["step"] <= last_step]
+    kept = [line for line, record in _complete_lines(path) if record["step"] <= last_step]
     tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+    with open(tmp, "wb") as f:
         f.writelines(kept)
     os.replace(tmp, path)
 

@@ -5,7 +5,6 @@
 * train and eval loss against the collapse floor L_freq.
 """
 
-import json
 import os
 import re
 from collections import defaultdict
@@ -15,6 +14,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+
+from postnorm.metrics import JSONL_NAME, read_jsonl  # noqa: E402
 
 HEATMAPS = {
     "tsim": ("tsim", "token similarity tsim(X_k)", False),
@@ -26,8 +27,8 @@ _LAYER_KEY = re.compile(r"^diag/(?P<name>.+)/layer_(?P<layer>\d+)$")
 
 
 def read_metrics(workdir: str) -> list[dict]:
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The run's ``metrics.jsonl`` records (``postnorm.metrics.read_jsonl``)."""
+    return read_jsonl(os.path.join(workdir, JSONL_NAME))
 
 
 def layer_series(records: list[dict]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -119,9 +120,9 @@ def plot_loss(records: list[dict], out_dir: str) -> str | None:
 
 def render_run_plots(workdir: str) -> list[str]:
     """Write every figure of the run in ``workdir`` to ``<workdir>/plots``; returns the paths."""
+    records = read_metrics(workdir)  # first: a workdir without metrics gets no plots/
     out_dir = os.path.join(workdir, "plots")
     os.makedirs(out_dir, exist_ok=True)
-    records = read_metrics(workdir)
     paths = plot_heatmaps(layer_series(records), out_dir)
     loss_path = plot_loss(records, out_dir)
     return paths + ([loss_path] if loss_path else [])

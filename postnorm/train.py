@@ -180,7 +180,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     finally:
         ckpt.close()  # also when building the experiment fails: waits for orbax's threads
     if jax.process_index() == 0:
-        render_run_plots(workdir)
+        try:
+            render_run_plots(workdir)
+        except OSError as err:  # the run itself is complete and checkpointed
+            logging.error("the run finished, but its plots could not be written (%s); fix that, "
+                          "then run main.py --mode=plots --workdir %s", err, workdir)
     return reporter.final
 
 

@@ -83,7 +83,8 @@ def start_main(*args: str, log: Path, cache_dir: Path) -> subprocess.Popen:
                                 stderr=subprocess.STDOUT, env=subprocess_env(cache_dir))
 
 
-def run_main(*args: str, cache_dir: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_main(*args: str, cache_dir: Path | None,
+             timeout: float = 300) -> subprocess.CompletedProcess:
     """``python main.py ARGS`` to completion."""
     return subprocess.run([sys.executable, "main.py", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout, env=subprocess_env(cache_dir))

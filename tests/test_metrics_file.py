@@ -1,0 +1,65 @@
+"""A damaged or missing metrics.jsonl is a clear error that names the file and line and loses
+nothing; the read-only modes (plots, report) say so without creating anything."""
+
+import pytest
+
+from postnorm import train
+from postnorm.metrics import MetricsFileError, read_jsonl, truncate_jsonl
+from tests.reliability_helpers import read_losses, run_main, tiny_config, write_corpus
+
+GOOD = b'{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n'
+
+
+@pytest.mark.parametrize(("damage", "line", "reason"), [
+    (b'{"step": 1, "a": 1}\nnot json\n{"step": 2, "a": 2}\n', 2, "Expecting value"),
+    (GOOD + b"\x82\x00\xff junk\n", 3, "can't decode byte 0x82"),
+    (GOOD + b'{"loss": 3.0}\n', 3, "no integer 'step'"),
+    (GOOD + b"[1, 2]\n", 3, "no integer 'step'"),
+])
+def test_a_damaged_line_is_named_and_the_file_is_left_as_it_was(tmp_path, damage, line, reason):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(damage)
+    for read in (lambda: read_jsonl(str(path)), lambda: truncate_jsonl(str(path), 1)):
+        with pytest.raises(MetricsFileError, match=f"{path} line {line} is not a step's JSON "
+                                                   f"record \\(.*{reason}.*delete that line"):
+            read()
+        assert path.read_bytes() == damage
+
+
+def test_a_torn_last_line_and_blank_lines_are_not_records(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1, "a": 1}\n\n{"step": 2, "a": 2}\n{"step": 3, "a"')
+    assert read_jsonl(str(path)) == [{"step": 1, "a": 1}, {"step": 2, "a": 2}]
+
+
+def test_a_missing_file_says_to_train_first(tmp_path):
+    with pytest.raises(MetricsFileError, match="does not exist: nothing has been logged there"):
+        read_jsonl(str(tmp_path / "run" / "metrics.jsonl"))
+
+
+@pytest.mark.parametrize("mode", ["plots", "report"])
+def test_plots_and_report_of_a_workdir_without_metrics_exit_2_and_create_nothing(tmp_path, mode):
+    workdir = tmp_path / "typo"
+    result = run_main("--config", "configs/default.py", f"--mode={mode}", "--workdir",
+                      str(workdir), cache_dir=None)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"postnorm: error: {workdir}/metrics.jsonl does not exist" in result.stderr
+    assert "Traceback" not in result.stderr and not workdir.exists()
+
+
+def test_an_empty_workdir_flag_is_a_usage_error():
+    result = run_main("--config", "configs/default.py", "--workdir", " ", cache_dir=None)
+    assert result.returncode == 1
+    assert "--workdir is required for --mode=train (a directory path)" in result.stderr
+
+
+def test_plots_that_cannot_be_written_do_not_fail_a_finished_run(tmp_path, caplog):
+    """The run is complete and checkpointed; the error is logged with the command to redo it."""
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "plots").write_text("a file where the plots directory goes")
+    config = tiny_config(write_corpus(tmp_path / "corpus"), tmp_path / "tfds", train__steps=2)
+    train.train_and_evaluate(config, str(workdir))
+    assert sorted(read_losses(workdir)) == [1, 2] and (workdir / "checkpoints" / "2").is_dir()
+    assert "its plots could not be written" in caplog.text
+    assert f"--mode=plots --workdir {workdir}" in caplog.text
