@@ -66,6 +66,14 @@ def _all_processes_agree(ok: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
 
 
+def _brief(reason: Exception | str, limit: int = 300) -> str:
+    """The first line of an error, at most ``limit`` characters (orbax's errors can run to
+    pages of TensorStore specs)."""
+    text = f"{type(reason).__name__}: {reason}" if isinstance(reason, Exception) else reason
+    line = next((part.strip() for part in text.splitlines() if part.strip()), text)
+    return line if len(line) <= limit else line[:limit] + " ..."
+
+
 class Checkpointer:
     """Saves and restores ``{state, data_iterator}`` under one step directory."""
 
@@ -132,11 +140,12 @@ class Checkpointer:
             logging.error("checkpoint step %d in %s is unusable: %s", step, self.directory, reason)
             failures.append((step, reason))
         if failures:
-            details = "; ".join(f"step {step}: {reason}" for step, reason in failures)
+            details = "; ".join(f"step {step}: {_brief(reason)}" for step, reason in failures)
             raise CheckpointError(
-                f"No checkpoint in {self.directory} can be restored ({details}). If the config "
-                "changed since they were written, restore the old config or use a new --workdir; "
-                "otherwise the files are damaged: move the directory aside to start over."
+                f"No checkpoint in {self.directory} can be restored ({details}; the log above "
+                "has each step's full error). If the config changed since they were written, "
+                "restore the old config or use a new --workdir; otherwise the files are damaged: "
+                "move the directory aside to start over."
             )
         return None
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import re
 from pathlib import Path
 
 import grain
@@ -135,12 +136,18 @@ def test_missing_checkpoint_metadata_file_is_tolerated(saved):
     assert step == 2 and _host(state) == _host(states[2])
 
 
-def test_no_restorable_step_raises_naming_the_directory(saved):
+@pytest.mark.parametrize("damage", [_garble, _truncate], ids=["garbled", "truncated"])
+def test_no_restorable_step_raises_naming_the_directory(saved, damage, caplog):
+    """One line per step in the error (orbax's own errors can run to pages: they are logged)."""
     directory, _ = saved
     for step in ("1", "2"):
-        _garble(_largest_file(directory / step / "state"))
+        damage(_largest_file(directory / step / "state"))
     ckpt = Checkpointer(str(directory), save_every=1, keep=5)
-    with pytest.raises(CheckpointError, match=f"No checkpoint in {directory} can be restored"
-                       r" \(step 2: .*; step 1: .*\)"):
+    with caplog.at_level(logging.ERROR), pytest.raises(CheckpointError) as err:
         ckpt.restore_latest(_abstract(), _data_iter())
+    message = str(err.value)
+    assert re.match(f"No checkpoint in {directory} can be restored \\(step 2: \\w+: .*; "
+                    "step 1: \\w+: .*; the log above has each step's full error\\)", message)
+    assert "\n" not in message and len(message) < 1200
+    assert "checkpoint step 2 in" in caplog.text and "checkpoint step 1 in" in caplog.text
     assert sorted(p.name for p in directory.iterdir()) == ["1", "2"]  # nothing moved aside
