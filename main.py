@@ -29,6 +29,7 @@ from postnorm import train
 from postnorm.allocator import AllocatorError, use_allocator
 from postnorm.checkpoint import CheckpointError
 from postnorm.compilation_cache import CompilationCacheError
+from postnorm.config_args import parse_flags
 from postnorm.data import DataError
 from postnorm.data.tokenizers import read_user_sentencepiece
 from postnorm.metrics import MetricsFileError
@@ -134,4 +135,4 @@ def run(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

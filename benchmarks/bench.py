@@ -55,7 +55,7 @@ from benchmarks.programs import (
     transparent_hugepage_mode,
 )
 from postnorm.allocator import use_allocator
-from postnorm.config_args import apply_arg
+from postnorm.config_args import apply_arg, parse_flags
 from postnorm.validation import check_backend, check_layout, check_model, check_opt
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
@@ -134,4 +134,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

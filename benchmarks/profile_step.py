@@ -32,6 +32,7 @@ from ml_collections import config_flags
 from benchmarks.op_groups import hlo_op_names, op_group
 from benchmarks.programs import random_batch
 from postnorm.allocator import use_allocator
+from postnorm.config_args import parse_flags
 from postnorm.model import ModelSpec
 from postnorm.optim import make_optimizer
 from postnorm.sharding import make_mesh
@@ -89,4 +90,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -51,6 +51,7 @@ from benchmarks.torch_model import (
     train_loss,
 )
 from postnorm.allocator import use_allocator
+from postnorm.config_args import parse_flags
 from postnorm.model import ModelSpec
 from postnorm.validation import check_backend, check_model, check_opt
 
@@ -169,4 +170,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

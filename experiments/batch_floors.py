@@ -20,6 +20,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+from postnorm.config_args import parse_flags
 from postnorm.data import load_data
 from postnorm.data.lfreq import frequency_floor
 
@@ -60,4 +61,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -34,6 +34,7 @@ from postnorm import collapsed_net
 from postnorm.allocator import use_allocator
 from postnorm.collapse import Collapse, detect_collapse
 from postnorm.collapse_plots import plot_loss_runs, render_collapse_figures
+from postnorm.config_args import parse_flags
 from postnorm.data import load_data
 from postnorm.data.files import write_json_atomic
 from postnorm.plots import read_metrics
@@ -232,4 +233,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -28,7 +28,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from postnorm.allocator import use_allocator
-from postnorm.config_args import field_path
+from postnorm.config_args import field_path, parse_flags
 from postnorm.data import load_data
 from postnorm.data.files import write_json_atomic
 from postnorm.run_config import WorkdirConfigError, config_data, read_run_config
@@ -243,4 +243,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

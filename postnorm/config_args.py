@@ -6,9 +6,11 @@ config file defines; ``key=value`` overrides a field. Keys are dotted paths into
 they replace; an unknown key or variant raises ``ValueError`` naming it.
 """
 
+import sys
 from collections.abc import Callable, Mapping
 
 import ml_collections
+from absl import app
 
 ALIASES = {
     "lr": "opt.lr",
@@ -74,3 +76,18 @@ def apply_arg(config: ml_collections.ConfigDict, arg: str | None,
         else:
             raise ValueError(f"unknown config variant {token!r}; known: {sorted(variants)}")
     return config
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing (``app.run(main, flags_parser=parse_flags)``), where a
+    ``--config.<path>=value`` override of a field the config does not have, which
+    ml_collections reports as a bare ``AttributeError``/``KeyError`` traceback, becomes a
+    one-line flag error (exit 1)."""
+    try:
+        return app.parse_flags_with_usage(argv)  # absl's parser: flags.Error -> usage, exit 1
+    except (AttributeError, KeyError) as err:
+        overrides = [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--config.")]
+        print(f"FATAL Flags parsing error: a config override names a field the config does not "
+              f"have ({err}); the overrides given: {overrides}. The fields are in the config "
+              "file (e.g. configs/default.py).", file=sys.stderr)
+        sys.exit(1)

@@ -61,6 +61,15 @@ def test_cli_invalid_field_fails_before_building_anything(tmp_path):
     assert not workdir.exists()
 
 
+def test_cli_override_of_an_unknown_field_is_a_one_line_flag_error(tmp_path):
+    result = run_main("--config", "configs/default.py", "--config.train.foo=1", "--workdir",
+                      str(tmp_path / "run"))
+    assert result.returncode == 1
+    assert ("FATAL Flags parsing error: a config override names a field the config does not "
+            "have") in result.stderr and "['--config.train.foo']" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
+
+
 def test_cli_missing_c4_says_where_it_looked(tmp_path):
     result = run_main("--config", f"configs/paper.py:data.data_dir={tmp_path}", "--workdir",
                       str(tmp_path / "run"))
