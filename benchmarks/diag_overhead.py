@@ -20,8 +20,9 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from benchmarks.programs import random_batch
+from benchmarks.programs import memory_analysis, random_batch
 from postnorm.allocator import use_allocator
+from postnorm.config_args import parse_flags
 from postnorm.model import ModelSpec
 from postnorm.optim import make_optimizer
 from postnorm.sharding import make_mesh
@@ -31,14 +32,6 @@ config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 flags.DEFINE_integer("repeats", 15, "Timed repeats of each step.")
 flags.DEFINE_integer("vocab_size", 8192, "Vocabulary size (the data is random tokens).")
 FLAGS = flags.FLAGS
-
-
-def memory(compiled) -> dict[str, int]:
-    analysis = compiled.memory_analysis()
-    fields = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes")
-    out = {f: int(getattr(analysis, f)) for f in fields}
-    out["peak_estimate_bytes"] = out["temp_size_in_bytes"] + out["argument_size_in_bytes"]
-    return out
 
 
 def main(_):
@@ -70,7 +63,7 @@ def main(_):
             times[label].append(time.perf_counter() - start)
 
     median = {name: statistics.median(t) for name, t in times.items()}
-    mem = {name: memory(c) for name, c in compiled.items()}
+    mem = {name: memory_analysis(c) for name, c in compiled.items()}
     print(json.dumps({
         "config": {"n_layers": spec.n_layers, "d_model": spec.d_model,
                    "seq_len": config.data.seq_len, "batch_size": config.data.batch_size,
@@ -89,4 +82,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)
