@@ -94,3 +94,12 @@ def test_cached_tokenizer_that_is_corrupt(corpus_dir, tmp_path):
     with pytest.raises(DataError, match="Delete") as e:
         load_data(cfg)
     assert str(model_path) in str(e.value)
+
+
+def test_empty_text_files_name_the_field(corpus_dir, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (empty / name).write_text("")
+    with pytest.raises(DataError, match=r"got no text.*data.text_files: files that are not empty"):
+        load_data(make_config(corpus_dir, tmp_path, text_files=str(empty / "*.txt")))

@@ -129,7 +129,8 @@ def test_a_failed_build_still_closes_the_checkpointer(entry, corpus, tmp_path, m
     config = tiny_config(corpus, tmp_path / "data", train__eval_batches=10_000)
     if entry is train.evaluate_checkpoint:  # it builds only for a workdir with a checkpoint
         (tmp_path / "run" / "checkpoints" / "1").mkdir(parents=True)
-    with pytest.raises(DataError, match="lower the eval batch count"):
+    with pytest.raises(DataError, match=r"lower the eval batch count or size "
+                       r"\(train.eval_batches, data.batch_size\) or data.seq_len"):
         entry(config, str(tmp_path / "run"))
     assert closed == ["checkpoints"]
 

@@ -82,7 +82,8 @@ class LMData:
             raise DataError(
                 f"The validation split at {self.info['path']} gives only {len(batches)} batches "
                 f"of {batch_size}x{self.seq_len} tokens on process {process_index}/"
-                f"{process_count}, not {num_batches}; lower the eval batch count or size."
+                f"{process_count}, not {num_batches}; lower the eval batch count or size "
+                "(train.eval_batches, data.batch_size) or data.seq_len, or give it more text."
             )
         return batches
 

@@ -37,7 +37,9 @@ def train_sentencepiece(sentences: list[str], vocab_size: int) -> bytes:
     with a fixed thread count and seed, so the model bytes are a function of the input.
     """
     if not sentences:
-        raise DataError("SentencePiece training got no text: the training split is empty.")
+        raise DataError("SentencePiece training got no text: the training split is empty. Give "
+                        "the data source text (data.text_files: files that are not empty), or a "
+                        "trained model in data.tokenizer_path.")
     spm.set_random_generator_seed(SEED)
     model = io.BytesIO()
     try:
