@@ -8,7 +8,6 @@ saved with each step catch it.)
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import re
@@ -26,23 +25,6 @@ from jax.sharding import SingleDeviceSharding
 from postnorm.checkpoint import Checkpointer, CheckpointError
 
 TX = optax.adam(1e-2)
-
-# A restore that fails on damaged array data leaves orbax's other read coroutines unawaited;
-# they are reported when collected. The fixture below collects them within the test that
-# caused them, where these two messages are expected.
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:Exception ignored in. <coroutine object "
-                               "_read_array_index_and_device_put"
-                               ":pytest.PytestUnraisableExceptionWarning"),
-    pytest.mark.filterwarnings(r"ignore:Exception ignored in. None\s+Traceback[\s\S]*Event loop "
-                               "is closed:pytest.PytestUnraisableExceptionWarning"),
-]
-
-
-@pytest.fixture(autouse=True)
-def collect_abandoned_reads():
-    yield
-    gc.collect()
 
 
 def _state(seed: int) -> TrainState:
