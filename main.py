@@ -1,7 +1,9 @@
 """Entry point: ``python main.py --config configs/default.py[:variant,key=value] --workdir DIR``.
 
-Modes: ``train`` (default; resumes from the latest checkpoint in the workdir), ``eval``
-(evaluate the latest checkpoint on the validation split), ``plots`` (render the run's figures
+Modes: ``train`` (default; resumes from the latest checkpoint in the workdir, which must have
+been trained with the same config up to the fields ``postnorm.run_config`` lets a resume
+change), ``eval`` (evaluate the latest checkpoint on the validation split; --config must have
+the run's model and data sections), ``plots`` (render the run's figures
 into ``<workdir>/plots``), ``report`` (write a self-contained ``<workdir>/report.html``; the
 config is the run's ``config.json``, else --config) and ``params`` (print the parameter count
 of the config's model without loading data).
@@ -14,8 +16,8 @@ preloaded, before anything is computed.
 
 Exit status: 0 when done or preempted (SIGTERM: a checkpoint was saved; rerun to resume),
 1 for bad flags, 2 for a config, allocator, compilation cache, data or checkpoint error, a
-workdir that holds another config's run, a damaged ``metrics.jsonl`` or an output that cannot be
-written, 3 when a non-finite step stopped training.
+workdir that holds another config's run, a missing or damaged ``metrics.jsonl`` or an output
+that cannot be written, 3 when a non-finite step stopped training.
 """
 
 import os
@@ -38,7 +40,7 @@ from postnorm.nonfinite import NonFiniteError
 from postnorm.plots import render_run_plots
 from postnorm.preemption import Preempted
 from postnorm.report import write_report
-from postnorm.run_config import WorkdirConfigError, config_data
+from postnorm.run_config import WorkdirError, config_data
 from postnorm.validation import ConfigError, check_model
 
 FLAGS = flags.FLAGS
@@ -95,7 +97,7 @@ def main(argv: list[str]) -> None:
     except Preempted as stop:
         print(f"postnorm: {stop}", file=sys.stderr)
     except (ConfigError, AllocatorError, CompilationCacheError, DataError,
-            CheckpointError, WorkdirConfigError, MetricsFileError, OutputError) as err:
+            CheckpointError, WorkdirError, MetricsFileError, OutputError) as err:
         print(f"postnorm: error: {err}", file=sys.stderr)
         sys.exit(2)
     except NonFiniteError as err:

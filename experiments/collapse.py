@@ -57,8 +57,8 @@ FLAGS = flags.FLAGS
 THM38_NAME = "thm38.json"
 
 
-def run_config(base: ml_collections.ConfigDict, norm: str, seed: int,
-               steps: int | None) -> ml_collections.ConfigDict:
+def seeded_config(base: ml_collections.ConfigDict, norm: str, seed: int,
+                  steps: int | None) -> ml_collections.ConfigDict:
     config = copy.deepcopy(base)
     config.model.norm, config.seed = norm, seed
     if steps is not None:
@@ -193,7 +193,7 @@ def main(argv: list[str]) -> None:
     start = time.perf_counter()
     out_dir = os.path.abspath(FLAGS.out_dir)
     fig_dir = os.path.join(out_dir, "figures")
-    runs = [(f"{norm}_seed{seed}", run_config(FLAGS.config, norm, int(seed), FLAGS.steps))
+    runs = [(f"{norm}_seed{seed}", seeded_config(FLAGS.config, norm, int(seed), FLAGS.steps))
             for norm in FLAGS.norms for seed in FLAGS.seeds]
     if FLAGS.workers > 1:
         load_data(runs[0][1].data, seed=runs[0][1].seed)  # build the shared caches once

@@ -69,7 +69,7 @@ def field_value(config: dict, path: str) -> object:
     return node
 
 
-def run_config(workdir: str, planned: ml_collections.ConfigDict) -> dict:
+def recorded_or_planned_config(workdir: str, planned: ml_collections.ConfigDict) -> dict:
     """A run's config as JSON data: the ``config.json`` it ran with, if it has started and the
     file reads, else ``planned`` (the sweep's overrides, then ``--override``)."""
     try:
@@ -187,7 +187,7 @@ def write_summary(base_config: str, specs: list[RunSpec], out_dir: str,
     rows = []
     for spec in specs:
         workdir = os.path.join(out_dir, spec.run_id)
-        config = run_config(workdir, build_config(base_config, spec, extra))
+        config = recorded_or_planned_config(workdir, build_config(base_config, spec, extra))
         rows.append(table_row(spec, config, read_result(workdir), fields))
     keys = [k for k in fields if len({str(row[k]) for row in rows}) > 1]
     write_json_atomic(os.path.join(out_dir, "summary.json"), rows)

@@ -59,7 +59,7 @@ def _check_writable(directory: epath.Path) -> None:
         ) from e
 
 
-def _all_processes_agree(ok: bool) -> bool:
+def all_processes_agree(ok: bool) -> bool:
     """True iff ``ok`` on every JAX process."""
     if jax.process_count() == 1:
         return ok
@@ -133,7 +133,7 @@ class Checkpointer:
                 state, error = self._restore_step(step, abstract_state, data_iterator), None
             except Exception as e:  # any failure makes the step unusable: try an older one
                 state, error = None, e
-            if _all_processes_agree(error is None):
+            if all_processes_agree(error is None):
                 self._quarantine([failed for failed, _ in failures])
                 return state, step
             reason = error or "another process could not restore it"

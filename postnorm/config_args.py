@@ -83,10 +83,12 @@ def parse_flags(argv: list[str]) -> list[str]:
     ``--config.<path>=value`` override of a field the config does not have, which
     ml_collections reports as a bare ``AttributeError``/``KeyError`` traceback, becomes a
     one-line flag error (exit 1)."""
+    overrides = [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--config.")]
     try:
         return app.parse_flags_with_usage(argv)  # absl's parser: flags.Error -> usage, exit 1
     except (AttributeError, KeyError) as err:
-        overrides = [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--config.")]
+        if not overrides:  # raised by the config file itself: its traceback is the message
+            raise
         print(f"FATAL Flags parsing error: a config override names a field the config does not "
               f"have ({err}); the overrides given: {overrides}. The fields are in the config "
               "file (e.g. configs/default.py).", file=sys.stderr)

@@ -35,6 +35,8 @@ def _complete_lines(path: str) -> list[tuple[bytes, dict]]:
     except (FileNotFoundError, NotADirectoryError) as err:
         raise MetricsFileError(f"{path} does not exist: nothing has been logged there; train "
                                "first or point --workdir at a run") from err
+    except OSError as err:
+        raise MetricsFileError(f"{path} cannot be read ({err}): make it a readable file") from err
     out = []
     for number, line in enumerate(lines, start=1):
         if not line.endswith(b"\n") or not line.strip():

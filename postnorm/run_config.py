@@ -25,18 +25,26 @@ CONFIG_NAME = "config.json"
 # identity, so changing them (or a run recorded before they existed) is the same run.
 PROCESS_SECTIONS = ("runtime",)
 
-# Fields a resume may change: they set what is logged, evaluated, diagnosed and kept, and
-# where the prepared data is stored, not the parameters any step computes.
+# Fields a resume may change: they set what is logged, evaluated, diagnosed and kept, where the
+# prepared data is stored, and how the same model is computed and laid out over the devices
+# (``mesh.*``), not the function any step computes. (A run recorded before one of them existed
+# resumes too.)
 RESUMABLE_FIELDS = ("train.log_every", "train.eval_every", "train.ckpt_every",
-                    "train.keep_ckpts", "diag.every", "data.data_dir")
+                    "train.keep_ckpts", "diag.every", "data.data_dir", "model.remat",
+                    "model.scan_unroll", "model.attention", "model.attention_block", "mesh.*")
 
 # Sections an evaluation of a checkpoint must share with the run that trained it, and the
 # fields of them it may still choose.
 EVAL_SECTIONS = ("model", "data")
-EVAL_FREE_FIELDS = ("data.data_dir", "data.batch_size")
+EVAL_FREE_FIELDS = ("data.data_dir", "data.batch_size", "model.remat", "model.scan_unroll",
+                    "model.attention", "model.attention_block")
 
 
-class WorkdirConfigError(ValueError):
+class WorkdirError(ValueError):
+    """The workdir cannot be used as it is (the message says why and what to do)."""
+
+
+class WorkdirConfigError(WorkdirError):
     """A workdir's ``config.json`` is unreadable or records a different config."""
 
 
@@ -58,6 +66,7 @@ def config_digest(config: ml_collections.ConfigDict | dict) -> str:
 
 
 def config_path(workdir: str) -> str:
+    """``<workdir>/config.json``."""
     return os.path.join(workdir, CONFIG_NAME)
 
 
@@ -66,7 +75,11 @@ def latest_checkpoint_step(workdir: str) -> int | None:
     directory = os.path.join(workdir, "checkpoints")
     if not os.path.isdir(directory):
         return None
-    steps = [int(name) for name in os.listdir(directory)
+    try:
+        names = os.listdir(directory)
+    except OSError as err:
+        raise WorkdirError(f"{directory} cannot be listed ({err}): make it readable") from err
+    steps = [int(name) for name in names
              if name.isdigit() and os.path.isdir(os.path.join(directory, name))]
     return max(steps, default=None)
 
@@ -94,10 +107,12 @@ def read_run_config(workdir: str) -> dict | None:
 
 
 def write_run_config(workdir: str, config: ml_collections.ConfigDict) -> None:
+    """Record ``config`` as the workdir's run (atomically)."""
     write_json_atomic(config_path(workdir), config_data(config))
 
 
-def _flatten(data: dict, prefix: str = "") -> dict:
+def _flatten(data: dict, prefix: str = "") -> dict[str, object]:
+    """{dotted path: leaf value} of nested dicts."""
     flat = {}
     for key, value in data.items():
         path = f"{prefix}{key}"
@@ -117,8 +132,13 @@ def changed_fields(recorded: dict, config: ml_collections.ConfigDict | dict) -> 
                   if old.get(k, missing) != new.get(k, missing))
 
 
-def _refuse(workdir: str, recorded: dict, config: ml_collections.ConfigDict,
-            refused: list[str], allowed: str) -> None:
+def _matches(field: str, patterns: tuple[str, ...]) -> bool:
+    """``field`` is one of ``patterns`` or lies in a ``section.*`` among them."""
+    return any(field == p or (p.endswith(".*") and field.startswith(p[:-1])) for p in patterns)
+
+
+def _refusal(workdir: str, recorded: dict, config: ml_collections.ConfigDict,
+             refused: list[str], allowed: str) -> WorkdirConfigError:
     old, new = _flatten(recorded), _flatten(config_data(config))
 
     def value(flat: dict, key: str) -> str:
@@ -126,16 +146,18 @@ def _refuse(workdir: str, recorded: dict, config: ml_collections.ConfigDict,
 
     shown = "; ".join(f"{k}: {value(old, k)} -> {value(new, k)}" for k in refused[:6])
     more = f"; and {len(refused) - 6} more" if len(refused) > 6 else ""
-    raise WorkdirConfigError(
+    added = ("; a field absent from the record was added after the run started: if the run "
+             f"used its value, add it to {CONFIG_NAME}" if any(k not in old for k in refused)
+             else "")
+    return WorkdirConfigError(
         f"{workdir} holds a run of a different config ({config_path(workdir)}): {shown}{more}. "
-        f"{allowed}; use a new --workdir for this config, or move the old run aside")
+        f"{allowed}; use a new --workdir for this config, or move the old run aside{added}")
 
 
-def check_run_config(workdir: str, config: ml_collections.ConfigDict,
-                     resumable: tuple[str, ...] = RESUMABLE_FIELDS) -> None:
+def check_run_config(workdir: str, config: ml_collections.ConfigDict) -> None:
     """Raise ``WorkdirConfigError`` when ``workdir`` holds a checkpoint of a run whose config
-    differs from ``config`` in a field outside ``resumable`` (the message names the fields),
-    or a checkpoint without a readable ``config.json``."""
+    differs from ``config`` outside ``RESUMABLE_FIELDS`` (the message names the fields), or a
+    checkpoint without a readable ``config.json``."""
     step = latest_checkpoint_step(workdir)
     if step is None:
         return
@@ -144,21 +166,24 @@ def check_run_config(workdir: str, config: ml_collections.ConfigDict,
         raise WorkdirConfigError(
             f"{workdir} holds a checkpoint (step {step}) but no {CONFIG_NAME} to check this "
             "config against: restore the file, or move the run aside and use a new --workdir")
-    refused = [k for k in changed_fields(recorded, config) if k not in resumable]
+    refused = [k for k in changed_fields(recorded, config)
+               if not _matches(k, RESUMABLE_FIELDS)]
     if refused:
-        _refuse(workdir, recorded, config, refused,
-                "A resume may change only " + ", ".join(resumable) + " and runtime.*")
+        raise _refusal(workdir, recorded, config, refused,
+                       "A resume may change only " + ", ".join(RESUMABLE_FIELDS)
+                       + " and runtime.*")
 
 
 def check_eval_config(workdir: str, config: ml_collections.ConfigDict) -> None:
     """Raise ``WorkdirConfigError`` when ``workdir``'s recorded run differs from ``config`` in
-    ``EVAL_SECTIONS`` (a checkpoint evaluated as another model, or on other data)."""
+    ``EVAL_SECTIONS`` outside ``EVAL_FREE_FIELDS`` (a checkpoint evaluated as another model,
+    or on other data)."""
     recorded = read_run_config(workdir)
     if recorded is None:
         return
     refused = [k for k in changed_fields(recorded, config)
-               if k.split(".")[0] in EVAL_SECTIONS and k not in EVAL_FREE_FIELDS]
+               if k.split(".")[0] in EVAL_SECTIONS and not _matches(k, EVAL_FREE_FIELDS)]
     if refused:
-        _refuse(workdir, recorded, config, refused,
-                "An evaluation needs the run's " + " and ".join(EVAL_SECTIONS) + " sections "
-                "(but " + " and ".join(EVAL_FREE_FIELDS) + ")")
+        raise _refusal(workdir, recorded, config, refused,
+                       "An evaluation needs the run's " + " and ".join(EVAL_SECTIONS)
+                       + " sections, except " + ", ".join(EVAL_FREE_FIELDS))

@@ -14,6 +14,7 @@ the loop saves a checkpoint after the current step and raises ``Preempted``.
 
 import dataclasses
 import os
+from collections.abc import Callable
 
 import jax
 import ml_collections
@@ -22,20 +23,21 @@ from absl import logging
 from clu import parameter_overview
 from jax.experimental import multihost_utils
 
-from postnorm.checkpoint import Checkpointer, CheckpointError
+from postnorm.checkpoint import Checkpointer, CheckpointError, all_processes_agree
 from postnorm.compilation_cache import use_compilation_cache
 from postnorm.data import LMData, load_data
 from postnorm.data.files import write_json_atomic
 from postnorm.data.lfreq import frequency_floor
 from postnorm.diag_step import flatten_diagnostics
 from postnorm.forensics import write_nonfinite_dump
-from postnorm.metrics import JSONL_NAME, MetricWriter, Progress, truncate_jsonl
+from postnorm.metrics import JSONL_NAME, MetricsFileError, MetricWriter, Progress, truncate_jsonl
 from postnorm.model import ModelSpec, param_count_formula
 from postnorm.nonfinite import GuardedState, NonFiniteError
 from postnorm.optim import make_optimizer
 from postnorm.plots import render_run_plots
 from postnorm.preemption import Preempted, PreemptionWatch
 from postnorm.run_config import (
+    WorkdirError,
     check_eval_config,
     check_run_config,
     latest_checkpoint_step,
@@ -138,10 +140,26 @@ def _restore_or_init(exp: Experiment, ckpt: Checkpointer):
     return state, step, data_iter
 
 
+def _stop_together(check: Callable[[], None]) -> None:
+    """Run ``check``. If it raised a ``WorkdirError`` or ``MetricsFileError`` on any process,
+    every process raises (one whose own check passed says so), so that none is left waiting
+    for the others in a collective."""
+    try:
+        check()
+    except (WorkdirError, MetricsFileError):
+        all_processes_agree(False)
+        raise
+    if not all_processes_agree(True):
+        raise WorkdirError("another process found the workdir unusable when this run started: "
+                           "its log says why")
+
+
 def _open_metrics(workdir: str, last_step: int) -> MetricWriter:
     """A metric writer, after dropping the records of steps after ``last_step``."""
     if jax.process_index() == 0:
-        truncate_jsonl(os.path.join(workdir, JSONL_NAME), last_step)
+        _stop_together(lambda: truncate_jsonl(os.path.join(workdir, JSONL_NAME), last_step))
+    else:
+        _stop_together(lambda: None)
     return MetricWriter(workdir, enabled=jax.process_index() == 0)
 
 
@@ -154,14 +172,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     check_config(config, device_count=jax.device_count(), process_count=jax.process_count())
     use_compilation_cache(config.runtime.compilation_cache_dir)
     workdir = os.path.abspath(os.path.expanduser(workdir))
-    check_run_config(workdir, config)
+    _stop_together(lambda: check_run_config(workdir, config))
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), save_every=config.train.ckpt_every,
                         keep=config.train.keep_ckpts)
     try:
         exp = build_experiment(config)
         if jax.process_index() == 0:
             write_run_config(workdir, config)
-        if jax.process_index() == 0:
             write_json_atomic(os.path.join(workdir, "data_info.json"), exp.data.info)
         state, start, data_iter = _restore_or_init(exp, ckpt)
         if jax.process_index() == 0:
@@ -339,17 +356,20 @@ class _Reporter:
         self.final.update(scalars)
 
 
+def _no_checkpoint(directory: str) -> CheckpointError:
+    return CheckpointError(f"no checkpoint in {directory}: train first (--mode=train) or point "
+                           "--workdir at a trained run")
+
+
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> float:
     """Restore the latest checkpoint of ``workdir`` and evaluate it on the validation split."""
     check_config(config, device_count=jax.device_count(), process_count=jax.process_count())
     use_compilation_cache(config.runtime.compilation_cache_dir)
     workdir = os.path.abspath(os.path.expanduser(workdir))
-    check_eval_config(workdir, config)
+    _stop_together(lambda: check_eval_config(workdir, config))
     directory = os.path.join(workdir, "checkpoints")
-    missing = CheckpointError(f"no checkpoint in {directory}: train first (--mode=train) or "
-                              "point --workdir at a trained run")
     if latest_checkpoint_step(workdir) is None:
-        raise missing  # before anything is created or loaded
+        raise _no_checkpoint(directory)  # before anything is created or loaded
     ckpt = Checkpointer(directory, save_every=config.train.ckpt_every,
                         keep=config.train.keep_ckpts)
     try:
@@ -358,7 +378,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> floa
     finally:
         ckpt.close()
     if restored is None:
-        raise missing
+        raise _no_checkpoint(directory)
     state, step = restored
     loss = evaluate(exp, state)
     logging.info("eval of the checkpoint at step %d: loss %.4f | L_freq %.4f", step, loss,

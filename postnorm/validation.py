@@ -46,7 +46,9 @@ def _is_int(v) -> bool:
 
 def _is_num(v) -> bool:
     """A finite int or float (not a bool)."""
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return False
+    return isinstance(v, int) or math.isfinite(v)
 
 
 def _positive_int(config, path: str) -> None:

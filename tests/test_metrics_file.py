@@ -63,3 +63,9 @@ def test_plots_that_cannot_be_written_do_not_fail_a_finished_run(tmp_path, caplo
     assert sorted(read_losses(workdir)) == [1, 2] and (workdir / "checkpoints" / "2").is_dir()
     assert "its plots could not be written" in caplog.text
     assert f"--mode=plots --workdir {workdir}" in caplog.text
+
+
+def test_an_unreadable_file_is_named(tmp_path):
+    (tmp_path / "metrics.jsonl").mkdir()
+    with pytest.raises(MetricsFileError, match=r"metrics.jsonl cannot be read \(.*Is a directory"):
+        read_jsonl(str(tmp_path / "metrics.jsonl"))

@@ -130,3 +130,20 @@ def test_distributed_flags_are_checked(tmp_path, flags, message):
         env=subprocess_env(tmp_path / "cache"))
     assert result.returncode == 1 and re.search(message, result.stderr), result.stderr[-2000:]
     assert not (tmp_path / "run").exists()
+
+
+def test_a_damaged_metrics_file_stops_both_processes_with_exit_2(tmp_path, tmp_path_factory):
+    """Only process 0 reads metrics.jsonl; process 1 must not go on into the first collective
+    alone (it would wait there until the coordinator times out)."""
+    corpus = write_corpus(tmp_path / "corpus", num_docs=80)
+    flag = config_flag(corpus, tmp_path / "tfds", **FIELDS)
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "metrics.jsonl").write_text('{"step": 1}\nnot json\n')
+    logs = [tmp_path / f"process_{i}.txt" for i in range(2)]
+    processes = _launch(flag, workdir, jax_cache_dir(tmp_path_factory), logs)
+    codes = [p.wait(timeout=240) for p in processes]
+    texts = [log.read_text() for log in logs]
+    assert codes == [2, 2], [t[-2000:] for t in texts]
+    assert f"postnorm: error: {workdir}/metrics.jsonl line 2 is not a step's JSON" in texts[0]
+    assert "postnorm: error: another process found the workdir unusable" in texts[1]

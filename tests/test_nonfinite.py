@@ -197,6 +197,7 @@ def test_rollback_lowers_the_lr_recovers_and_a_resume_keeps_the_lower_lr(setup, 
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(workdir / "checkpoints" / "4", resumed / "checkpoints" / "4")
+    shutil.copy(workdir / "config.json", resumed / "config.json")  # a checkpoint needs its config
     result = _run(setup, resumed, train__nonfinite="rollback", train__ckpt_every=4,
                   train__rollback_lr_factor=1e-33)
     assert result.returncode == 0, result.stderr[-3000:]

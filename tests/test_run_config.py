@@ -49,15 +49,24 @@ def test_a_changed_field_is_refused_with_its_values(tmp_path):
     assert "use a new --workdir" in message
 
 
-def test_watching_and_process_fields_may_change_on_resume(tmp_path):
+def test_watching_implementation_and_process_fields_may_change_on_resume(tmp_path):
     workdir, config = recorded_run(tmp_path)
     watched = config.copy_and_resolve_references()
-    for path in run_config.RESUMABLE_FIELDS:
+    for path in ("train.log_every", "train.eval_every", "train.ckpt_every", "train.keep_ckpts",
+                 "diag.every", "model.scan_unroll", "model.attention_block", "mesh.fsdp"):
         section, name = path.split(".")
-        value = watched[section][name]
-        watched[section][name] = value + "/elsewhere" if isinstance(value, str) else value + 1
+        watched[section][name] += 1
+    watched.data.data_dir, watched.model.remat, watched.model.attention = "/x", "dots", "xla"
     watched.runtime.allocator = "system"
     run_config.check_run_config(str(workdir), watched)
+
+
+def test_a_run_recorded_before_an_implementation_field_existed_resumes(tmp_path):
+    workdir, config = recorded_run(tmp_path)
+    data = json.loads((workdir / "config.json").read_text())
+    del data["model"]["scan_unroll"], data["mesh"]
+    (workdir / "config.json").write_text(json.dumps(data))
+    run_config.check_run_config(str(workdir), config)
 
 
 def test_a_workdir_without_a_checkpoint_starts_afresh_with_any_config(tmp_path):
@@ -84,9 +93,15 @@ def test_evaluation_needs_the_runs_model_and_data(tmp_path):
     other.opt.lr, other.train.eval_batches = 0.5, 9  # not what an evaluation depends on
     other.data.batch_size, other.data.data_dir = 4, "/elsewhere"
     run_config.check_eval_config(str(workdir), other)
-    other.model.positions = "none"
+    other.model.remat, other.model.attention = "none", "einsum"  # the same model, computed
+    run_config.check_eval_config(str(workdir), other)
+    positions = other.copy_and_resolve_references()
+    positions.model.positions = "none"
     with pytest.raises(WorkdirConfigError, match=r"model.positions: 'rope' -> 'none'\. An "
                                                  "evaluation needs the run's model and data"):
+        run_config.check_eval_config(str(workdir), positions)
+    other.data.seq_len = 64
+    with pytest.raises(WorkdirConfigError, match=r"data.seq_len: 128 -> 64\. An evaluation"):
         run_config.check_eval_config(str(workdir), other)
 
 
@@ -95,7 +110,8 @@ def test_a_config_recorded_before_a_field_existed_names_the_field(tmp_path):
     data = json.loads((workdir / "config.json").read_text())
     del data["model"]["rope_base"]
     (workdir / "config.json").write_text(json.dumps(data))
-    with pytest.raises(WorkdirConfigError, match=r"model.rope_base: absent -> 10000.0"):
+    with pytest.raises(WorkdirConfigError, match=r"model.rope_base: absent -> 10000.0\. .*a "
+                       "field absent from the record was added after the run started"):
         run_config.check_run_config(str(workdir), config)
 
 

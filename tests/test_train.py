@@ -58,7 +58,7 @@ def test_twenty_steps_lower_the_loss_and_write_outputs(corpus, tmp_path):
 
 def test_resume_reproduces_losses_exactly(corpus, tmp_path):
     """Resuming from the step-4 checkpoint repeats steps 5..8 bit for bit, also when the
-    resume changes what is logged and diagnosed (``run_config.RESUMABLE_FIELDS``)."""
+    resume changes how often it evaluates, diagnoses and saves (``RESUMABLE_FIELDS``)."""
     config = tiny_config(corpus, tmp_path / "tfds", train__steps=8, train__ckpt_every=4)
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     train_and_evaluate(config, str(full))
@@ -67,6 +67,7 @@ def test_resume_reproduces_losses_exactly(corpus, tmp_path):
     shutil.copy(full / "config.json", resumed / "config.json")
     watched_differently = config.copy_and_resolve_references()
     watched_differently.diag.every = watched_differently.train.eval_every = 3
+    watched_differently.train.ckpt_every, watched_differently.train.keep_ckpts = 2, 5
     train_and_evaluate(watched_differently, str(resumed))
     want, got = read_losses(full), read_losses(resumed)
     assert sorted(got) == [5, 6, 7, 8]
@@ -146,7 +147,7 @@ def test_evaluating_a_workdir_without_checkpoints_is_a_checkpoint_error(corpus, 
 
 def test_a_failed_start_of_the_loop_closes_the_metric_writer(corpus, tmp_path, monkeypatch):
     """When the preemption watch fails to start, the opened TensorBoard and JSONL writers are
-    closed (and the checkpointer too)."""
+    closed."""
     closed, close = [], MetricWriter.close
 
     def recording_close(self):
