@@ -28,20 +28,17 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from postnorm import train
-from postnorm.allocator import AllocatorError, use_allocator
-from postnorm.checkpoint import CheckpointError
-from postnorm.compilation_cache import CompilationCacheError
+from postnorm.allocator import use_allocator
 from postnorm.config_args import parse_flags
-from postnorm.data import DataError
 from postnorm.data.tokenizers import read_user_sentencepiece
-from postnorm.metrics import MetricsFileError
 from postnorm.model import ModelSpec, param_count_formula
 from postnorm.nonfinite import NonFiniteError
 from postnorm.plots import render_run_plots
 from postnorm.preemption import Preempted
 from postnorm.report import write_report
-from postnorm.run_config import WorkdirError, config_data
-from postnorm.validation import ConfigError, check_model
+from postnorm.run_config import config_data
+from postnorm.user_errors import USER_ERRORS
+from postnorm.validation import check_model
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/default.py:pre.",
@@ -96,8 +93,7 @@ def main(argv: list[str]) -> None:
         run(argv)
     except Preempted as stop:
         print(f"postnorm: {stop}", file=sys.stderr)
-    except (ConfigError, AllocatorError, CompilationCacheError, DataError,
-            CheckpointError, WorkdirError, MetricsFileError, OutputError) as err:
+    except (*USER_ERRORS, OutputError) as err:
         print(f"postnorm: error: {err}", file=sys.stderr)
         sys.exit(2)
     except NonFiniteError as err:

@@ -39,6 +39,7 @@ from postnorm.data import load_data
 from postnorm.data.files import write_json_atomic
 from postnorm.plots import read_metrics
 from postnorm.run_record import run_once
+from postnorm.user_errors import exit_2_on_user_error
 from postnorm.workers import run_pinned
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Base config (norm and seed are "
@@ -233,4 +234,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+    app.run(exit_2_on_user_error(main), flags_parser=parse_flags)

@@ -42,6 +42,7 @@ from postnorm.sweep import (
     shard,
     varying_keys,
 )
+from postnorm.user_errors import exit_2_on_user_error
 from postnorm.workers import run_pinned
 
 matplotlib.use("Agg")
@@ -243,4 +244,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+    app.run(exit_2_on_user_error(main), flags_parser=parse_flags)

@@ -265,3 +265,16 @@ def test_the_sweep_command_writes_the_report(tmp_path, override):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads((tmp_path / "summary.json").read_text())
     assert len(rows) == 8 and {row["status"] for row in rows} == {"missing"}
+
+
+def test_the_sweep_command_stops_with_exit_2_on_a_workdir_of_another_config(tmp_path):
+    _, specs = sweep.plan_file(f"{STABILITY}:smoke")
+    workdir = tmp_path / specs[0].run_id
+    (workdir / "checkpoints" / "4").mkdir(parents=True)
+    run_config.write_run_config(str(workdir), get_config("layers=3"))
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.sweep", "--sweep", f"{STABILITY}:smoke",
+         "--out_dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"postnorm: error: {workdir} holds a run of a different config" in result.stderr
+    assert "Traceback" not in result.stderr
