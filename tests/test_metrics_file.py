@@ -69,3 +69,15 @@ def test_an_unreadable_file_is_named(tmp_path):
     (tmp_path / "metrics.jsonl").mkdir()
     with pytest.raises(MetricsFileError, match=r"metrics.jsonl cannot be read \(.*Is a directory"):
         read_jsonl(str(tmp_path / "metrics.jsonl"))
+
+
+def test_plots_that_cannot_be_written_exit_2_in_plots_mode(tmp_path):
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "metrics.jsonl").write_bytes(b'{"step": 1, "train/loss": 5.0}\n')
+    (workdir / "plots").write_text("a file where the plots directory goes")
+    result = run_main("--config", "configs/default.py", "--mode=plots", "--workdir",
+                      str(workdir), cache_dir=None)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"postnorm: error: --mode=plots could not write under {workdir}" in result.stderr
+    assert "Traceback" not in result.stderr
