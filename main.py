@@ -14,7 +14,8 @@ to every process (``jax.distributed.initialize`` is called only when they are gi
 ``runtime.allocator`` (``postnorm.allocator``) may re-execute the command once, with tcmalloc
 preloaded, before anything is computed.
 
-Exit status: 0 when done or preempted (SIGTERM: a checkpoint was saved; rerun to resume),
+Exit status: 0 when done or preempted (SIGTERM: a checkpoint was saved; rerun to resume), 130
+after a Ctrl-C (the first one saves a checkpoint at the end of the step, as SIGTERM does),
 1 for bad flags, 2 for a config, allocator, compilation cache, data or checkpoint error, a
 workdir that holds another config's run, a missing or damaged ``metrics.jsonl`` or an output
 that cannot be written, 3 when a non-finite step stopped training.
@@ -93,6 +94,8 @@ def main(argv: list[str]) -> None:
         run(argv)
     except Preempted as stop:
         print(f"postnorm: {stop}", file=sys.stderr)
+        if stop.interrupted:
+            sys.exit(130)  # the shell's status for a Ctrl-C, after the checkpoint was saved
     except (*USER_ERRORS, OutputError) as err:
         print(f"postnorm: error: {err}", file=sys.stderr)
         sys.exit(2)

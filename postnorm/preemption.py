@@ -1,10 +1,14 @@
-"""Noticing a preemption (SIGTERM) so the loop can checkpoint and stop at a step boundary.
+"""Noticing a preemption (SIGTERM) or Ctrl-C so the loop can checkpoint and stop at a step
+boundary.
 
-One process: a SIGTERM handler only sets a flag, which the loop reads after each step (a
-Python attribute read: no device sync). Several processes: they must all stop at the same
-step, so jax's preemption sync manager (created by ``jax.distributed.initialize``, which
-installs its own SIGTERM notifier) picks the step: ``reached_preemption_sync_point(step)``,
-called with every step, is True on every process at the same one. It is a local check.
+One process: a SIGTERM or SIGINT handler only sets a flag, which the loop reads after each
+step (a Python attribute read: no device sync). The first Ctrl-C asks for a checkpoint at the
+end of the step; a second one, before that, interrupts at once (Python's default).
+
+Several processes: they must all stop at the same step, so jax's preemption sync manager
+(created by ``jax.distributed.initialize``, which installs its own SIGTERM notifier) picks the
+step: ``reached_preemption_sync_point(step)``, called with every step, is True on every
+process at the same one. It is a local check. Ctrl-C there keeps Python's default.
 """
 
 import signal
@@ -17,11 +21,13 @@ from jax.experimental import multihost_utils
 
 
 class Preempted(Exception):  # noqa: N818 -- not an error: the run stopped early on request
-    """The run saved a checkpoint at ``step`` and stopped; rerunning it resumes there."""
+    """The run saved a checkpoint at ``step`` and stopped; rerunning it resumes there.
+    ``interrupted``: the request was a Ctrl-C (SIGINT), not a preemption (SIGTERM)."""
 
-    def __init__(self, step: int, checkpoint_dir: str):
-        self.step = step
-        super().__init__(f"preempted at step {step}: checkpoint saved in {checkpoint_dir}; "
+    def __init__(self, step: int, checkpoint_dir: str, interrupted: bool = False):
+        self.step, self.interrupted = step, interrupted
+        reason = "interrupted (Ctrl-C)" if interrupted else "preempted"
+        super().__init__(f"{reason} at step {step}: checkpoint saved in {checkpoint_dir}; "
                          "rerun the same command to resume")
 
 
@@ -33,7 +39,8 @@ class PreemptionWatch:
 
     def __init__(self, start_step: int):
         self._requested = False
-        self._previous = None
+        self.interrupted = False  # the stop was asked for with Ctrl-C
+        self._previous: dict[int, object] = {}
         self._sync = False
         if jax.process_count() > 1:
             try:  # also registers the start step with the sync manager
@@ -43,13 +50,21 @@ class PreemptionWatch:
                 logging.warning("no preemption sync in this multi-process run (%s): SIGTERM "
                                 "will stop it without a checkpoint", err)
         elif threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_sigint)
         else:
             logging.warning("training outside the main thread: SIGTERM will not checkpoint")
 
     def _on_sigterm(self, signum: int, frame: types.FrameType | None) -> None:
         del signum, frame
         self._requested = True
+
+    def _on_sigint(self, signum: int, frame: types.FrameType | None) -> None:
+        del frame
+        self._requested = self.interrupted = True
+        signal.signal(signum, self._previous.pop(signum))  # a second Ctrl-C stops at once
+        logging.warning("Ctrl-C: saving a checkpoint after this step, then stopping (Ctrl-C "
+                        "again to stop now without it)")
 
     def should_stop(self, step: int) -> bool:
         """True once a preemption was requested (every process agrees on the step)."""
@@ -58,7 +73,7 @@ class PreemptionWatch:
         return self._requested
 
     def close(self) -> None:
-        """Restores the previous SIGTERM handler."""
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+        """Restores the previous SIGTERM and SIGINT handlers."""
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}

@@ -250,7 +250,7 @@ def _train_loop(exp: Experiment, ckpt: Checkpointer, watch: PreemptionWatch,
         if stop:
             reporter.flush()
             ckpt.wait_until_finished()
-            raise Preempted(step, str(ckpt.directory))
+            raise Preempted(step, str(ckpt.directory), interrupted=watch.interrupted)
     reporter.flush()
 
 

@@ -71,14 +71,19 @@ def test_sigkill_mid_run_then_rerun_reproduces_every_loss(reference, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_saves_flushes_and_exits_zero_then_resumes(reference, tmp_path):
+@pytest.mark.parametrize(("signum", "status", "reason"), [
+    (signal.SIGTERM, 0, "preempted"), (signal.SIGINT, 130, r"interrupted \(Ctrl-C\)")],
+    ids=["sigterm", "ctrl-c"])
+def test_sigterm_or_ctrl_c_saves_flushes_and_stops_then_resumes(reference, tmp_path, signum,
+                                                                status, reason):
+    """SIGTERM exits 0; Ctrl-C (SIGINT) exits 130."""
     config, cache, expected = reference
     workdir, log = tmp_path / "run", tmp_path / "log.txt"
     process = start_main("--config", config, "--workdir", str(workdir), log=log, cache_dir=cache)
     wait_for_step(process, workdir, 6, log)
-    process.send_signal(signal.SIGTERM)
-    assert process.wait(timeout=120) == 0, log.read_text()[-3000:]
-    stopped = re.search(r"postnorm: preempted at step (\d+): checkpoint saved in (\S+); rerun",
+    process.send_signal(signum)
+    assert process.wait(timeout=120) == status, log.read_text()[-3000:]
+    stopped = re.search(f"postnorm: {reason} at step (\\d+): checkpoint saved in (\\S+); rerun",
                         log.read_text())
     assert stopped, log.read_text()[-3000:]
     step = int(stopped.group(1))
