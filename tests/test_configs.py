@@ -91,3 +91,12 @@ def test_cli_params_mode_prints_the_paper_count():
     result = run_main("--config", "configs/paper.py", "--mode=params")
     assert result.returncode == 0, result.stderr
     assert "180.1M" in result.stdout
+
+
+def test_cli_a_config_files_own_attribute_error_is_not_called_an_unknown_override(tmp_path):
+    broken = tmp_path / "broken.py"
+    broken.write_text("def get_config():\n    return object().missing_attribute\n")
+    result = run_main("--config", str(broken), "--workdir", str(tmp_path / "run"))
+    assert result.returncode == 1
+    assert "missing_attribute" in result.stderr
+    assert "a config override names a field" not in result.stderr
