@@ -2,13 +2,13 @@
 
 The trainer writes it (atomically) before its first step and checks it whenever it starts on
 a workdir that holds a checkpoint: a workdir holds the run of one config. A resume may change
-only how the run is watched and saved (``RESUMABLE_FIELDS``) and how the process runs
-(``PROCESS_SECTIONS``); any other difference (the model, the data, the optimiser, the length
-of the schedule) would make the recorded run a mixture of two configs, so it is refused
-before anything is overwritten. So is a checkpoint without a ``config.json`` to compare with.
-A workdir without a checkpoint has trained nothing that a new config would contradict: its
-run starts afresh. Evaluating a checkpoint (``check_eval_config``) needs the model and data
-sections it was trained with.
+only how the run is watched and saved, how the same model is computed and laid out
+(``RESUMABLE_FIELDS``), and how the process runs (``PROCESS_SECTIONS``). Any other difference
+(the model, the data, the optimiser, the length of the schedule) would make the recorded run a
+mixture of two configs, so it is refused before anything is overwritten. So is a checkpoint
+without a ``config.json`` to compare with. A workdir without a checkpoint has trained nothing
+that a new config would contradict: its run starts afresh. Evaluating a checkpoint
+(``check_eval_config``) needs the model and data sections it was trained with.
 """
 
 import hashlib
