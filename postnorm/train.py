@@ -156,11 +156,9 @@ def _stop_together(check: Callable[[], None]) -> None:
 
 def _open_metrics(workdir: str, last_step: int) -> MetricWriter:
     """A metric writer, after dropping the records of steps after ``last_step``."""
-    if jax.process_index() == 0:
-        _stop_together(lambda: truncate_jsonl(os.path.join(workdir, JSONL_NAME), last_step))
-    else:
-        _stop_together(lambda: None)
-    return MetricWriter(workdir, enabled=jax.process_index() == 0)
+    path, writer = os.path.join(workdir, JSONL_NAME), jax.process_index() == 0
+    _stop_together(lambda: truncate_jsonl(path, last_step) if writer else None)
+    return MetricWriter(workdir, enabled=writer)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
