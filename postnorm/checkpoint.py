@@ -18,8 +18,14 @@ Stale tmp directories are deleted (in the background) when a ``Checkpointer`` is
 
 A restore verifies the arrays against the saved checksums (orbax itself reads garbled array
 data without complaint). A step that cannot be read or does not match is logged and the next
-older one is tried; once an older one restores, the unusable newer ones are renamed to
+older one is tried. The trainer's ``Checkpointer`` then renames the unusable newer ones to
 ``<step>.corrupt`` so they are neither restored nor counted as kept.
+
+``CheckpointReader`` (evaluation and analysis) restores the same way but writes nothing: no
+directory, no cleanup of tmp directories, no renaming. It is safe to run beside a live
+trainer of the same workdir, whose in-flight save it must not touch and whose oldest steps
+may be deleted while it reads; a step that vanishes mid-read is skipped and the listing is
+read again.
 """
 
 from __future__ import annotations
@@ -66,6 +72,19 @@ def all_processes_agree(ok: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
 
 
+def finalized_steps(directory: str) -> list[int]:
+    """The finalized steps under `directory` (``<step>/`` directories), newest first.
+
+    Listed from the directory itself, so a step deleted during the listing is simply left
+    out. Raises OSError when `directory` exists but cannot be listed.
+    """
+    if not os.path.isdir(directory):
+        return []
+    steps = [int(name) for name in os.listdir(directory)
+             if name.isdigit() and os.path.isdir(os.path.join(directory, name))]
+    return sorted(steps, reverse=True)
+
+
 def _brief(reason: Exception | str, limit: int = 300) -> str:
     """The first line of an error, at most ``limit`` characters (orbax's errors can run to
     pages of TensorStore specs)."""
@@ -74,49 +93,36 @@ def _brief(reason: Exception | str, limit: int = 300) -> str:
     return line if len(line) <= limit else line[:limit] + " ..."
 
 
-class Checkpointer:
-    """Saves and restores ``{state, data_iterator}`` under one step directory."""
+# How often a reader re-lists the steps after one vanished under it (a live trainer deleting
+# its oldest kept steps) before it gives up on that workdir.
+_MAX_RESCANS = 5
 
-    def __init__(self, directory: str, *, save_every: int, keep: int) -> None:
-        if save_every < 1 or keep < 1:
-            raise ValueError(f"save_every and keep must be >= 1, got {save_every}, {keep}")
+
+class CheckpointReader:
+    """Restores ``{state, data_iterator}`` from a checkpoint directory without writing to it."""
+
+    def __init__(self, directory: str) -> None:
         self.directory = epath.Path(os.path.abspath(directory))
-        _check_writable(self.directory)
-        self._save_every = save_every
+        if not self.directory.is_dir():
+            raise CheckpointError(f"no checkpoint directory {self.directory}: train first "
+                                  "(--mode=train) or point --workdir at a trained run")
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep,
-                cleanup_tmp_directories=True,
-                enable_async_checkpointing=True,
+                read_only=True, create=False, cleanup_tmp_directories=False,
+                save_interval_steps=0, max_to_keep=None, enable_async_checkpointing=False,
+                lightweight_initialize=True,
             ),
         )
 
     def latest_step(self) -> int | None:
         """Step of the newest finalized checkpoint, or None if there is none."""
-        return self._manager.latest_step()
+        return next(iter(self._steps()), None)
 
-    def save(
-        self, step: int, state: PyTree, data_iterator: grain.DatasetIterator, *, force: bool = False
-    ) -> bool:
-        """Starts saving if `step` is a multiple of `save_every` (or `force`); returns whether.
-
-        Arrays are copied to host and the iterator state is captured before this returns, so
-        the caller may immediately donate `state` and advance `data_iterator`; the disk write
-        finishes in the background (see `wait_until_finished`). A step that already has a
-        checkpoint is not saved again.
-        """
-        if not (force or step % self._save_every == 0) or step in self._manager.all_steps():
-            return False
-        args = ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
-            data=grain.checkpoint.CheckpointSave(data_iterator),
-            integrity=ocp.args.JsonSave({"state": tree_checksums(state)}),
-        )
-        try:
-            return self._manager.save(step, args=args, force=True)
-        except (OSError, ValueError) as e:
-            raise self._write_error(e) from e
+    def _steps(self) -> list[int]:
+        """The finalized steps, newest first, listed afresh: a live trainer may have saved or
+        deleted some since the last call."""
+        return finalized_steps(str(self.directory))
 
     def restore_latest(
         self, abstract_state: PyTree, data_iterator: grain.DatasetIterator
@@ -127,20 +133,31 @@ class Checkpointer:
         are restored with exactly those shardings. `data_iterator` is rewound in place. A step
         that fails to restore is logged and skipped; if every step fails, CheckpointError.
         """
-        failures = []
-        for step in sorted(self._manager.all_steps(), reverse=True):
+        failures: dict[int, Exception | str] = {}
+        rescans = 0
+        steps = self._steps()
+        while steps:
+            step = steps.pop(0)
             try:
                 state, error = self._restore_step(step, abstract_state, data_iterator), None
             except Exception as e:  # any failure makes the step unusable: try an older one
                 state, error = None, e
             if all_processes_agree(error is None):
-                self._quarantine([failed for failed, _ in failures])
+                self._set_aside(sorted(failures))
                 return state, step
+            if rescans < _MAX_RESCANS and self._vanished(step):
+                rescans += 1
+                logging.info("checkpoint step %d in %s was deleted while being read (a "
+                             "trainer's keep policy); listing the steps again", step,
+                             self.directory)
+                steps = [s for s in self._steps() if s not in failures]
+                continue
             reason = error or "another process could not restore it"
             logging.error("checkpoint step %d in %s is unusable: %s", step, self.directory, reason)
-            failures.append((step, reason))
+            failures[step] = reason
         if failures:
-            details = "; ".join(f"step {step}: {_brief(reason)}" for step, reason in failures)
+            details = "; ".join(f"step {step}: {_brief(reason)}"
+                                for step, reason in failures.items())
             raise CheckpointError(
                 f"No checkpoint in {self.directory} can be restored ({details}; the log above "
                 "has each step's full error). If the config changed since they were written, "
@@ -170,7 +187,68 @@ class Checkpointer:
             )
         return restored.state
 
-    def _quarantine(self, steps: list[int]) -> None:
+    def _vanished(self, step: int) -> bool:
+        """Whether `step` is no longer listed on some process (all processes agree)."""
+        return not all_processes_agree(step in self._steps())
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """What to do with unusable `steps` once an older one restored: a reader leaves them."""
+
+    def close(self) -> None:
+        """Releases the manager's resources."""
+        self._manager.close()
+
+
+class Checkpointer(CheckpointReader):
+    """Saves and restores ``{state, data_iterator}`` under one step directory (the trainer's:
+    one writer per workdir)."""
+
+    def __init__(self, directory: str, *, save_every: int, keep: int) -> None:
+        if save_every < 1 or keep < 1:
+            raise ValueError(f"save_every and keep must be >= 1, got {save_every}, {keep}")
+        self.directory = epath.Path(os.path.abspath(directory))
+        _check_writable(self.directory)
+        self._save_every = save_every
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=keep,
+                cleanup_tmp_directories=True,
+                enable_async_checkpointing=True,
+            ),
+        )
+
+    def save(
+        self, step: int, state: PyTree, data_iterator: grain.DatasetIterator, *, force: bool = False
+    ) -> bool:
+        """Starts saving if `step` is a multiple of `save_every` (or `force`); returns whether.
+
+        Arrays are copied to host and the iterator state is captured before this returns, so
+        the caller may immediately donate `state` and advance `data_iterator`; the disk write
+        finishes in the background (see `wait_until_finished`). A step that already has a
+        checkpoint is not saved again.
+        """
+        if not (force or step % self._save_every == 0) or step in self._manager.all_steps():
+            return False
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data=grain.checkpoint.CheckpointSave(data_iterator),
+            integrity=ocp.args.JsonSave({"state": tree_checksums(state)}),
+        )
+        try:
+            return self._manager.save(step, args=args, force=True)
+        except (OSError, ValueError) as e:
+            raise self._write_error(e) from e
+
+    def latest_step(self) -> int | None:
+        """Step of the newest finalized checkpoint, or None if there is none."""
+        return self._manager.latest_step()
+
+    def _steps(self) -> list[int]:
+        """The steps the manager keeps, newest first (this process is their only writer)."""
+        return sorted(self._manager.all_steps(), reverse=True)
+
+    def _set_aside(self, steps: list[int]) -> None:
         """Renames the unusable `steps` to `<step>.corrupt[-k]` (process 0) and rescans."""
         if not steps:
             return

@@ -31,7 +31,7 @@ import numpy as np
 import optax
 
 from postnorm import theory
-from postnorm.checkpoint import Checkpointer
+from postnorm.checkpoint import CheckpointError, CheckpointReader
 from postnorm.data.lfreq import unigram_entropy
 from postnorm.diag_step import layer_norms
 from postnorm.model import Decoder, ModelSpec
@@ -200,14 +200,13 @@ def restore_final(config: ml_collections.ConfigDict, workdir: str):
     checkpoint in ``workdir``."""
     exp = build_experiment(config)
     batches = train_iterator(exp)
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), save_every=config.train.ckpt_every,
-                        keep=config.train.keep_ckpts)
+    ckpt = CheckpointReader(os.path.join(workdir, "checkpoints"))
     try:
         restored = ckpt.restore_latest(exp.steps.abstract_state, batches)
     finally:
         ckpt.close()
     if restored is None:
-        raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints: train the run first")
+        raise CheckpointError(f"no checkpoint in {workdir}/checkpoints: train the run first")
     state, step = restored
     return exp, state, step, batches
 

@@ -17,6 +17,7 @@ import os
 
 import ml_collections
 
+from postnorm.checkpoint import finalized_steps
 from postnorm.data.files import write_json_atomic
 
 CONFIG_NAME = "config.json"
@@ -73,15 +74,11 @@ def config_path(workdir: str) -> str:
 def latest_checkpoint_step(workdir: str) -> int | None:
     """The newest finalized checkpoint step (``checkpoints/<step>/``), or None."""
     directory = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(directory):
-        return None
     try:
-        names = os.listdir(directory)
+        steps = finalized_steps(directory)
     except OSError as err:
         raise WorkdirError(f"{directory} cannot be listed ({err}): make it readable") from err
-    steps = [int(name) for name in names
-             if name.isdigit() and os.path.isdir(os.path.join(directory, name))]
-    return max(steps, default=None)
+    return next(iter(steps), None)
 
 
 def read_run_config(workdir: str) -> dict | None:

@@ -23,7 +23,12 @@ from absl import logging
 from clu import parameter_overview
 from jax.experimental import multihost_utils
 
-from postnorm.checkpoint import Checkpointer, CheckpointError, all_processes_agree
+from postnorm.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointReader,
+    all_processes_agree,
+)
 from postnorm.compilation_cache import use_compilation_cache
 from postnorm.data import LMData, load_data
 from postnorm.data.files import write_json_atomic
@@ -368,8 +373,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> floa
     directory = os.path.join(workdir, "checkpoints")
     if latest_checkpoint_step(workdir) is None:
         raise _no_checkpoint(directory)  # before anything is created or loaded
-    ckpt = Checkpointer(directory, save_every=config.train.ckpt_every,
-                        keep=config.train.keep_ckpts)
+    ckpt = CheckpointReader(directory)  # writes nothing: safe beside a live trainer
     try:
         exp = build_experiment(config)
         restored = ckpt.restore_latest(exp.steps.abstract_state, train_iterator(exp))

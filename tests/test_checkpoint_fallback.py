@@ -1,5 +1,6 @@
 """A damaged latest checkpoint is detected at restore, logged, set aside, and the one before
-it is used; if none can be restored, CheckpointError names the directory.
+it is used; if none can be restored, CheckpointError names the directory. The read-only
+``CheckpointReader`` (eval, analysis) falls back the same way but changes nothing on disk.
 
 The damage is done to the files on disk: garbled or truncated array data, a deleted state
 metadata file. (orbax alone restores garbled array data without an error; the checksums
@@ -11,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 from pathlib import Path
 
 import grain
@@ -22,7 +24,7 @@ import pytest
 from flax.training.train_state import TrainState
 from jax.sharding import SingleDeviceSharding
 
-from postnorm.checkpoint import Checkpointer, CheckpointError
+from postnorm.checkpoint import Checkpointer, CheckpointError, CheckpointReader
 
 TX = optax.adam(1e-2)
 
@@ -133,3 +135,56 @@ def test_no_restorable_step_raises_naming_the_directory(saved, damage, caplog):
     assert "\n" not in message and len(message) < 1200
     assert "checkpoint step 2 in" in caplog.text and "checkpoint step 1 in" in caplog.text
     assert sorted(p.name for p in directory.iterdir()) == ["1", "2"]  # nothing moved aside
+
+
+def _snapshot(root: Path) -> list[tuple[str, int, int]]:
+    """Every path under ``root`` with its size and modification time."""
+    return sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns)
+                  for p in root.rglob("*"))
+
+
+def test_reader_falls_back_and_leaves_the_directory_as_it_was(saved, caplog):
+    """No rename of the damaged step, and a live trainer's in-flight save is left alone."""
+    directory, states = saved
+    _garble(_largest_file(directory / "2" / "state"))
+    shutil.copytree(directory / "1", directory / "3.orbax-checkpoint-tmp-1")
+    before = _snapshot(directory)
+    reader = CheckpointReader(str(directory))
+    with caplog.at_level(logging.ERROR):
+        state, step = reader.restore_latest(_abstract(), _data_iter())
+    reader.close()
+    assert step == 1 and _host(state) == _host(states[1])
+    assert f"checkpoint step 2 in {directory} is unusable" in caplog.text
+    assert _snapshot(directory) == before
+
+
+def test_reader_rereads_the_listing_when_a_trainer_deletes_the_step_it_reads(saved, monkeypatch,
+                                                                              caplog):
+    """A trainer keeping one checkpoint saves step 3, deleting 1 and 2, while the reader is
+    reading step 2: the reader restores step 3 and reports no unusable step."""
+    directory, _ = saved
+    state_3, read = _state(3), CheckpointReader._restore_step
+
+    def trainer_saves_during_the_read(self, step, *args):
+        if step == 2:
+            trainer = Checkpointer(str(directory), save_every=1, keep=1)
+            trainer.save(3, state_3, _data_iter())
+            trainer.close()
+            assert not (directory / "2").exists()
+        return read(self, step, *args)
+
+    monkeypatch.setattr(CheckpointReader, "_restore_step", trainer_saves_during_the_read)
+    reader = CheckpointReader(str(directory))
+    with caplog.at_level(logging.INFO):
+        state, step = reader.restore_latest(_abstract(), _data_iter())
+    reader.close()
+    assert step == 3 and _host(state) == _host(state_3)
+    assert "checkpoint step 2 in" in caplog.text and "deleted while being read" in caplog.text
+    assert "unusable" not in caplog.text
+
+
+def test_reader_of_a_missing_directory_names_it_and_creates_nothing(tmp_path):
+    directory = tmp_path / "run" / "checkpoints"
+    with pytest.raises(CheckpointError, match=f"no checkpoint directory {directory}: train first"):
+        CheckpointReader(str(directory))
+    assert not (tmp_path / "run").exists()

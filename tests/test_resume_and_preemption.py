@@ -99,3 +99,27 @@ def test_truncating_metrics_drops_a_line_torn_by_a_kill(tmp_path):
     path.write_text('{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n{"step": 3, "a"')
     truncate_jsonl(str(path), 2)
     assert path.read_text() == '{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n'
+
+
+@pytest.mark.slow
+def test_eval_beside_a_live_trainer_leaves_both_intact(tmp_path, tmp_path_factory):
+    """--mode=eval, repeated, on the workdir of a run that saves every step and keeps two:
+    each eval restores a step, and the trainer (whose in-flight saves and deleted steps the
+    evals see) finishes normally."""
+    config = config_flag(write_corpus(tmp_path / "corpus"), tmp_path / "tfds", train__steps=300,
+                         train__ckpt_every=1, train__keep_ckpts=2, train__log_every=10,
+                         train__eval_every=1000, diag__every=1000)
+    cache, workdir, log = jax_cache_dir(tmp_path_factory), tmp_path / "run", tmp_path / "train.log"
+    trainer = start_main("--config", config, "--workdir", str(workdir), log=log, cache_dir=cache)
+    wait_for_step(trainer, workdir, 10, log, checkpointed=True)
+    beside = []  # evals that started and ended while the trainer ran
+    while trainer.poll() is None and len(beside) < 3:
+        result = run_main("--config", config, "--workdir", str(workdir), "--mode=eval",
+                          cache_dir=cache)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert re.search(r"eval of the checkpoint at step \d+: loss", result.stderr)
+        if trainer.poll() is None:
+            beside.append(result)
+    assert trainer.wait(timeout=300) == 0, log.read_text()[-3000:]
+    assert beside, "the trainer finished before any eval did: lengthen the run"
+    assert max(read_losses(workdir)) == 300

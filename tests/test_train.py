@@ -9,7 +9,7 @@ import pytest
 
 from configs.default import get_config
 from postnorm import train
-from postnorm.checkpoint import Checkpointer, CheckpointError
+from postnorm.checkpoint import Checkpointer, CheckpointError, CheckpointReader
 from postnorm.data import DataError, load_data
 from postnorm.data.lfreq import frequency_floor
 from postnorm.metrics import MetricWriter
@@ -116,17 +116,19 @@ def test_invalid_fields_name_the_problem(field, value, message):
         check_config(config, device_count=8)
 
 
-@pytest.mark.parametrize("entry", [train.train_and_evaluate, train.evaluate_checkpoint])
-def test_a_failed_build_still_closes_the_checkpointer(entry, corpus, tmp_path, monkeypatch):
+@pytest.mark.parametrize(("entry", "opened"), [(train.train_and_evaluate, Checkpointer),
+                                               (train.evaluate_checkpoint, CheckpointReader)])
+def test_a_failed_build_still_closes_the_checkpointer(entry, opened, corpus, tmp_path,
+                                                     monkeypatch):
     """When building the experiment fails, the checkpoint manager (and orbax's threads) is
     closed."""
-    closed, close = [], Checkpointer.close
+    closed, close = [], opened.close
 
     def recording_close(self):
         closed.append(self.directory.name)
         close(self)
 
-    monkeypatch.setattr(Checkpointer, "close", recording_close)
+    monkeypatch.setattr(opened, "close", recording_close)
     config = tiny_config(corpus, tmp_path / "data", train__eval_batches=10_000)
     if entry is train.evaluate_checkpoint:  # it builds only for a workdir with a checkpoint
         (tmp_path / "run" / "checkpoints" / "1").mkdir(parents=True)
