@@ -51,6 +51,7 @@ from postnorm.run_config import (
 from postnorm.sharding import batch_sharding, make_mesh
 from postnorm.step_builder import CompiledSteps, compile_steps
 from postnorm.validation import check_config, check_vocab_layout
+from postnorm.workdir_lock import WorkdirLock
 
 
 @dataclasses.dataclass
@@ -175,6 +176,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     check_config(config, device_count=jax.device_count(), process_count=jax.process_count())
     use_compilation_cache(config.runtime.compilation_cache_dir)
     workdir = os.path.abspath(os.path.expanduser(workdir))
+    _stop_together(lambda: check_run_config(workdir, config))  # a refusal writes nothing
+    lock = WorkdirLock(workdir)
+    _stop_together(lock.acquire if jax.process_index() == 0 else lambda: None)
+    try:
+        return _train_holding_the_lock(config, workdir)
+    finally:
+        lock.release()
+
+
+def _train_holding_the_lock(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+    """``train_and_evaluate`` once ``workdir`` is this run's alone."""
+    # Again under the lock: a run that held it may have recorded a config since the check.
     _stop_together(lambda: check_run_config(workdir, config))
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), save_every=config.train.ckpt_every,
                         keep=config.train.keep_ckpts)

@@ -87,8 +87,7 @@ def test_unwritable_workdir_is_a_clear_error(setup, tmp_path, where, mounts):
         workdir = tmp_path / "ro" / "run"
     result = _main(setup, workdir)
     assert result.returncode == 2, result.stderr[-3000:]
-    assert (f"postnorm: error: Checkpoint directory {workdir}/checkpoints cannot be created or "
-            "written") in result.stderr
+    assert f"postnorm: error: Workdir {workdir} cannot be created or written" in result.stderr
     assert "Traceback" not in result.stderr
 
 

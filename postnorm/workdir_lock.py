@@ -1,0 +1,73 @@
+"""One training run per workdir at a time: an advisory file lock held while a run trains.
+
+Two trainers of one workdir would delete each other's in-flight checkpoint saves and
+interleave their records in ``metrics.jsonl`` (a job requeued while its first instance still
+runs, or the same command started twice). The lock is ``<workdir>/.train.lock``, taken with
+``flock``: the kernel drops it when the holding process ends in any way, so a killed run
+leaves no stale lock behind. The file records who holds it, for the error message.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+
+from absl import logging
+
+from postnorm.run_config import WorkdirError
+
+LOCK_NAME = ".train.lock"
+
+
+class WorkdirLock:
+    """``acquire`` creates the workdir and takes its lock; ``release`` lets it go."""
+
+    def __init__(self, workdir: str) -> None:
+        self.workdir = workdir
+        self.path = os.path.join(workdir, LOCK_NAME)
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Takes the lock, or raises ``WorkdirError`` naming the run that holds it."""
+        try:
+            os.makedirs(self.workdir, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            raise WorkdirError(
+                f"Workdir {self.workdir} cannot be created or written ({err}). Use a --workdir "
+                "that can be created and written (no parent path may be a regular file; check "
+                "permissions and free space).") from err
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise WorkdirError(
+                f"{self.workdir} is in use by another training run ({self._holder()}; lock "
+                f"{self.path}). Wait for that run to finish or stop it, or use another "
+                "--workdir.") from None
+        except OSError as err:  # a filesystem without locks (some network mounts)
+            logging.warning("cannot lock %s (%s): nothing stops a second run from training in "
+                            "this workdir at the same time", self.path, err)
+        self._fd = fd
+        holder = {"pid": os.getpid(), "host": socket.gethostname(),
+                  "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+
+    def _holder(self) -> str:
+        """Who holds the lock, as its file says."""
+        try:
+            with open(self.path) as f:
+                holder = json.load(f)
+            return f"process {holder['pid']} on {holder['host']}, started {holder['started']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            return "its holder did not record itself yet"
+
+    def release(self) -> None:
+        """Lets the lock go (closing the file releases it); the file stays."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
