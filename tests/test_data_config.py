@@ -51,6 +51,19 @@ def test_glob_matching_nothing(corpus_dir, tmp_path):
     assert glob in str(e.value)
 
 
+def test_a_binary_file_in_the_glob_names_it_and_the_byte(corpus_dir, tmp_path):
+    """A file that is not UTF-8 (here gzip data among the text) is refused, not decoded with
+    replacement characters and trained on."""
+    files = tmp_path / "mixed"
+    files.mkdir()
+    for doc in sorted(corpus_dir.glob("*.txt")):
+        (files / doc.name).write_bytes(doc.read_bytes())
+    (files / "doc_999.txt").write_bytes(b"text, then \x1f\x8b\x08 gzip bytes")
+    with pytest.raises(DataError, match=r"doc_999.txt \(matched by data.text_files\) is not "
+                       r"UTF-8 text: byte 12 \(0x8b\) cannot be decoded. Narrow the"):
+        load_data(make_config(corpus_dir, tmp_path, text_files=str(files / "*.txt")))
+
+
 def test_glob_matching_one_file(corpus_dir, tmp_path):
     cfg = make_config(corpus_dir, tmp_path, text_files=str(corpus_dir / "doc_000.txt"))
     with pytest.raises(DataError, match="matches 1 files"):

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from absl import logging
 
+from postnorm.data.errors import DataError
+
 # Pure-Python ("Root-Is-Purelib") distributions whose .py files make up the embedded corpus.
 EMBEDDED_DISTRIBUTIONS = (
     "absl-py",
@@ -114,13 +116,22 @@ def file_set_id(paths: Sequence[str]) -> str:
     return h.hexdigest()[:16]
 
 
+def _read_utf8(path: str) -> str:
+    """The text of `path`; DataError naming the file and byte offset unless it is UTF-8."""
+    try:
+        return Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(
+            f"{path} (matched by data.text_files) is not UTF-8 text: byte {err.start} "
+            f"(0x{err.object[err.start]:02x}) cannot be decoded. Narrow the data.text_files glob "
+            "to text files, or convert this one to UTF-8 (e.g. iconv -f latin1 -t utf-8)."
+        ) from None
+
+
 def text_file_documents(paths: Sequence[str]) -> list[Document]:
     """One document per file, keyed by its path relative to the files' common directory."""
     root = os.path.commonpath([os.path.dirname(p) for p in paths])
-    return [
-        Document(os.path.relpath(p, root), Path(p).read_bytes().decode("utf-8", errors="replace"))
-        for p in paths
-    ]
+    return [Document(os.path.relpath(p, root), _read_utf8(p)) for p in paths]
 
 
 def _split_hash(key: str) -> float:
