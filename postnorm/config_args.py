@@ -3,14 +3,15 @@
 The part after the colon is a comma-separated list. A bare word names a variant that the
 config file defines; ``key=value`` overrides a field. Keys are dotted paths into the config
 (``opt.lr``) or one of the short aliases below. Values are parsed to the type of the field
-they replace; an unknown key or variant raises ``ValueError`` naming it.
+they replace; an unknown key or variant, or a value of the wrong type, raises
+``ConfigArgError`` naming it.
 """
 
 import sys
 from collections.abc import Callable, Mapping
 
 import ml_collections
-from absl import app
+from absl import app, flags
 
 ALIASES = {
     "lr": "opt.lr",
@@ -26,21 +27,25 @@ ALIASES = {
 Variant = Callable[[ml_collections.ConfigDict], None]
 
 
+class ConfigArgError(ValueError):
+    """A variant or ``key=value`` of a config argument that the config does not accept."""
+
+
 def _parse_value(text: str, current: object, key: str) -> object:
     if isinstance(current, bool):
         if text.lower() in ("true", "1", "yes"):
             return True
         if text.lower() in ("false", "0", "no"):
             return False
-        raise ValueError(f"{key}={text!r}: expected a boolean (true/false)")
+        raise ConfigArgError(f"{key}={text!r}: expected a boolean (true/false)")
     if isinstance(current, int | float):
         kind = type(current)
         try:
             number = float(text)
         except ValueError as err:
-            raise ValueError(f"{key}={text!r}: expected {kind.__name__}") from err
+            raise ConfigArgError(f"{key}={text!r}: expected {kind.__name__}") from err
         if kind is int and not number.is_integer():
-            raise ValueError(f"{key}={text!r}: expected int")
+            raise ConfigArgError(f"{key}={text!r}: expected int")
         return kind(number)
     return text
 
@@ -57,10 +62,10 @@ def set_field(config: ml_collections.ConfigDict, key: str, text: str) -> None:
     *parents, leaf = path.split(".")
     for part in parents:
         if part not in node or not isinstance(node[part], ml_collections.ConfigDict):
-            raise ValueError(f"unknown config key {key!r} (no section {part!r})")
+            raise ConfigArgError(f"unknown config key {key!r} (no section {part!r})")
         node = node[part]
     if leaf not in node:
-        raise ValueError(f"unknown config key {key!r}; known in this section: {sorted(node)}")
+        raise ConfigArgError(f"unknown config key {key!r}; known in this section: {sorted(node)}")
     node[leaf] = _parse_value(text, node[leaf], path)
 
 
@@ -74,18 +79,35 @@ def apply_arg(config: ml_collections.ConfigDict, arg: str | None,
         elif token in variants:
             variants[token](config)
         else:
-            raise ValueError(f"unknown config variant {token!r}; known: {sorted(variants)}")
+            raise ConfigArgError(f"unknown config variant {token!r}; known: {sorted(variants)}")
     return config
 
 
+def _config_arg_error(error: BaseException | None) -> ConfigArgError | None:
+    """The first ``ConfigArgError`` in the chain of exceptions that led to ``error``, if any
+    (ml_collections re-raises it as one of the same type whose message is the traceback)."""
+    found = None
+    while error is not None:
+        found = error if isinstance(error, ConfigArgError) else found
+        error = error.__cause__ or error.__context__
+    return found
+
+
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing (``app.run(main, flags_parser=parse_flags)``), where a
-    ``--config.<path>=value`` override of a field the config does not have, which
-    ml_collections reports as a bare ``AttributeError``/``KeyError`` traceback, becomes a
-    one-line flag error (exit 1)."""
+    """absl's flag parsing (``app.run(main, flags_parser=parse_flags)``), where two mistakes
+    become a one-line flag error (exit 1) instead of a traceback: a bad variant or
+    ``key=value`` in ``--config=<file>:<arg>`` (ml_collections quotes the traceback), and a
+    ``--config.<path>=value`` override of a field the config does not have (a bare
+    ``AttributeError``/``KeyError``)."""
     overrides = [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--config.")]
     try:
-        return app.parse_flags_with_usage(argv)  # absl's parser: flags.Error -> usage, exit 1
+        return flags.FLAGS(argv)
+    except flags.Error as err:
+        bad_arg = _config_arg_error(err)
+        if bad_arg is None:
+            return app.parse_flags_with_usage(argv)  # absl's usage message, exit 1
+        print(f"FATAL Flags parsing error: {bad_arg}", file=sys.stderr)
+        sys.exit(1)
     except (AttributeError, KeyError) as err:
         if not overrides:  # raised by the config file itself: its traceback is the message
             raise

@@ -70,6 +70,17 @@ def test_cli_override_of_an_unknown_field_is_a_one_line_flag_error(tmp_path):
     assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(("arg", "message"), [
+    ("sandwich", "unknown config variant 'sandwich'; known: ['post', 'pre']"),
+    ("lr=fast", "opt.lr='fast': expected float"),
+])
+def test_cli_bad_config_argument_is_a_one_line_flag_error(tmp_path, arg, message):
+    result = run_main("--config", f"configs/default.py:{arg}", "--workdir", str(tmp_path / "run"))
+    assert result.returncode == 1
+    assert result.stderr.strip() == f"FATAL Flags parsing error: {message}"
+    assert not (tmp_path / "run").exists()
+
+
 def test_cli_missing_c4_says_where_it_looked(tmp_path):
     result = run_main("--config", f"configs/paper.py:data.data_dir={tmp_path}", "--workdir",
                       str(tmp_path / "run"))
