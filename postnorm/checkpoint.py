@@ -96,6 +96,8 @@ def _brief(reason: Exception | str, limit: int = 300) -> str:
 # How often a reader re-lists the steps after one vanished under it (a live trainer deleting
 # its oldest kept steps) before it gives up on that workdir.
 _MAX_RESCANS = 5
+# The newest steps a reader considers (a trainer keeps `train.keep_ckpts` of them).
+_MAX_LISTED = 256
 
 
 class CheckpointReader:
@@ -115,14 +117,16 @@ class CheckpointReader:
             ),
         )
 
-    def latest_step(self) -> int | None:
-        """Step of the newest finalized checkpoint, or None if there is none."""
-        return next(iter(self._steps()), None)
-
     def _steps(self) -> list[int]:
         """The finalized steps, newest first, listed afresh: a live trainer may have saved or
-        deleted some since the last call."""
-        return finalized_steps(str(self.directory))
+        deleted some since the last call. Process 0's listing, so that every process tries
+        the same steps (a collective: all processes call it)."""
+        steps = finalized_steps(str(self.directory))[:_MAX_LISTED]
+        if jax.process_count() == 1:
+            return steps
+        listed = np.full(_MAX_LISTED, -1, np.int32)
+        listed[:len(steps)] = steps
+        return [int(s) for s in multihost_utils.broadcast_one_to_all(listed) if s >= 0]
 
     def restore_latest(
         self, abstract_state: PyTree, data_iterator: grain.DatasetIterator

@@ -27,6 +27,7 @@ from tests.reliability_helpers import (
     config_flag,
     jax_cache_dir,
     read_losses,
+    read_records,
     subprocess_env,
     tiny_config,
     wait_for_step,
@@ -45,7 +46,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(flag: str, workdir, cache, logs) -> list[subprocess.Popen]:
+def _launch(flag: str, workdir, cache, logs, *args: str) -> list[subprocess.Popen]:
     address = f"localhost:{_free_port()}"
     processes = []
     for i, log in enumerate(logs):
@@ -53,7 +54,7 @@ def _launch(flag: str, workdir, cache, logs) -> list[subprocess.Popen]:
             processes.append(subprocess.Popen(
                 [sys.executable, "main.py", "--config", flag, "--workdir", str(workdir),
                  "--coordinator_address", address, "--num_processes", "2",
-                 "--process_id", str(i)],
+                 "--process_id", str(i), *args],
                 cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=subprocess_env(cache)))
     return processes
 
@@ -112,6 +113,16 @@ def test_two_processes_preempt_resume_and_match_one_process(tmp_path, tmp_path_f
 
     got = read_losses(workdir)
     assert sorted(got) == list(range(1, STEPS + 1))
+    final_eval = [r["eval/loss"] for r in read_records(workdir) if "eval/loss" in r]
+
+    # Both processes restore the final checkpoint for --mode=eval (the reader agrees on the
+    # steps it lists) and get the run's own final eval loss.
+    logs = [tmp_path / f"eval_{i}.txt" for i in range(2)]
+    _wait(_launch(flag, workdir, cache, logs, "--mode=eval"), logs)
+    for log in logs:
+        assert (f"eval of the checkpoint at step {STEPS}: loss {final_eval[-1]:.4f}"
+                in log.read_text())
+
     want = _reference_losses(tiny_config(corpus, tmp_path / "tfds", **FIELDS))
     # On one machine the two agree bit for bit; allclose leaves room for collective order.
     np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(got)],
