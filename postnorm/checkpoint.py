@@ -43,6 +43,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from postnorm.checksum import tree_checksums
+from postnorm.run_config import finalized_steps
 
 PyTree = Any
 
@@ -72,19 +73,6 @@ def all_processes_agree(ok: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
 
 
-def finalized_steps(directory: str) -> list[int]:
-    """The finalized steps under `directory` (``<step>/`` directories), newest first.
-
-    Listed from the directory itself, so a step deleted during the listing is simply left
-    out. Raises OSError when `directory` exists but cannot be listed.
-    """
-    if not os.path.isdir(directory):
-        return []
-    steps = [int(name) for name in os.listdir(directory)
-             if name.isdigit() and os.path.isdir(os.path.join(directory, name))]
-    return sorted(steps, reverse=True)
-
-
 def _brief(reason: Exception | str, limit: int = 300) -> str:
     """The first line of an error, at most ``limit`` characters (orbax's errors can run to
     pages of TensorStore specs)."""
@@ -93,8 +81,8 @@ def _brief(reason: Exception | str, limit: int = 300) -> str:
     return line if len(line) <= limit else line[:limit] + " ..."
 
 
-# How often a reader re-lists the steps after one vanished under it (a live trainer deleting
-# its oldest kept steps) before it gives up on that workdir.
+# How often a reader lists the steps again after one vanished under it or newer ones appeared
+# (a live trainer saving and deleting its oldest kept steps) before it stops chasing them.
 _MAX_RESCANS = 5
 # The newest steps a reader considers (a trainer keeps `train.keep_ckpts` of them).
 _MAX_LISTED = 256
@@ -105,28 +93,41 @@ class CheckpointReader:
 
     def __init__(self, directory: str) -> None:
         self.directory = epath.Path(os.path.abspath(directory))
+        self._prepare_directory()
+        self._manager = ocp.CheckpointManager(self.directory, options=self._manager_options())
+
+    def _prepare_directory(self) -> None:
         if not self.directory.is_dir():
             raise CheckpointError(f"no checkpoint directory {self.directory}: train first "
                                   "(--mode=train) or point --workdir at a trained run")
-        self._manager = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(
-                read_only=True, create=False, cleanup_tmp_directories=False,
-                save_interval_steps=0, max_to_keep=None, enable_async_checkpointing=False,
-                lightweight_initialize=True,
-            ),
+
+    def _manager_options(self) -> ocp.CheckpointManagerOptions:
+        return ocp.CheckpointManagerOptions(
+            read_only=True, create=False, cleanup_tmp_directories=False,
+            save_interval_steps=0, max_to_keep=None, enable_async_checkpointing=False,
+            lightweight_initialize=True,
         )
 
     def _steps(self) -> list[int]:
         """The finalized steps, newest first, listed afresh: a live trainer may have saved or
-        deleted some since the last call. Process 0's listing, so that every process tries
-        the same steps (a collective: all processes call it)."""
-        steps = finalized_steps(str(self.directory))[:_MAX_LISTED]
-        if jax.process_count() == 1:
-            return steps
-        listed = np.full(_MAX_LISTED, -1, np.int32)
-        listed[:len(steps)] = steps
-        return [int(s) for s in multihost_utils.broadcast_one_to_all(listed) if s >= 0]
+        deleted some since the last call. Process 0 lists them for all (a collective: every
+        process calls it), so that every process tries the same steps."""
+        steps, error = [], None
+        if jax.process_index() == 0:
+            try:
+                steps = finalized_steps(str(self.directory))[:_MAX_LISTED]
+            except OSError as e:
+                error = e
+        if jax.process_count() > 1:
+            listed = np.full(_MAX_LISTED + 1, -1, np.int32)
+            listed[0] = error is None
+            listed[1:len(steps) + 1] = steps
+            listed = multihost_utils.broadcast_one_to_all(listed)
+            steps = [int(s) for s in listed[1:] if s >= 0]
+            error = error or (None if listed[0] else "process 0 could not list it")
+        if error is not None:
+            raise CheckpointError(f"{self.directory} cannot be listed ({error}): make it readable")
+        return steps
 
     def restore_latest(
         self, abstract_state: PyTree, data_iterator: grain.DatasetIterator
@@ -136,6 +137,8 @@ class CheckpointReader:
         `abstract_state` is a pytree of `jax.ShapeDtypeStruct` carrying `.sharding`; arrays
         are restored with exactly those shardings. `data_iterator` is rewound in place. A step
         that fails to restore is logged and skipped; if every step fails, CheckpointError.
+        After a failure the steps are listed again: a step that is gone was deleted by a
+        live trainer, not damaged, and newer steps saved meanwhile are tried first.
         """
         failures: dict[int, Exception | str] = {}
         rescans = 0
@@ -149,19 +152,28 @@ class CheckpointReader:
             if all_processes_agree(error is None):
                 self._set_aside(sorted(failures))
                 return state, step
-            if rescans < _MAX_RESCANS and self._vanished(step):
-                rescans += 1
+            listed = self._steps()
+            if step in listed:
+                reason = error or "another process could not restore it"
+                logging.error("checkpoint step %d in %s is unusable: %s", step, self.directory,
+                              reason)
+                failures[step] = reason
+            else:
                 logging.info("checkpoint step %d in %s was deleted while being read (a "
-                             "trainer's keep policy); listing the steps again", step,
-                             self.directory)
-                steps = [s for s in self._steps() if s not in failures]
-                continue
-            reason = error or "another process could not restore it"
-            logging.error("checkpoint step %d in %s is unusable: %s", step, self.directory, reason)
-            failures[step] = reason
-        if failures:
+                             "trainer's keep policy)", step, self.directory)
+            if (step not in listed or listed[0] > step) and rescans < _MAX_RESCANS:
+                rescans += 1
+                steps = [s for s in listed if s not in failures]
+        listed = self._steps()
+        damaged = {step: reason for step, reason in failures.items() if step in listed}
+        if failures and not damaged or not failures and rescans:
+            raise CheckpointError(
+                f"The checkpoints in {self.directory} were deleted while being read: a trainer "
+                "of this workdir saves and deletes them faster than they can be read. Rerun, "
+                "or let the trainer keep more (train.keep_ckpts).")
+        if damaged:
             details = "; ".join(f"step {step}: {_brief(reason)}"
-                                for step, reason in failures.items())
+                                for step, reason in damaged.items())
             raise CheckpointError(
                 f"No checkpoint in {self.directory} can be restored ({details}; the log above "
                 "has each step's full error). If the config changed since they were written, "
@@ -191,10 +203,6 @@ class CheckpointReader:
             )
         return restored.state
 
-    def _vanished(self, step: int) -> bool:
-        """Whether `step` is no longer listed on some process (all processes agree)."""
-        return not all_processes_agree(step in self._steps())
-
     def _set_aside(self, steps: list[int]) -> None:
         """What to do with unusable `steps` once an older one restored: a reader leaves them."""
 
@@ -210,17 +218,24 @@ class Checkpointer(CheckpointReader):
     def __init__(self, directory: str, *, save_every: int, keep: int) -> None:
         if save_every < 1 or keep < 1:
             raise ValueError(f"save_every and keep must be >= 1, got {save_every}, {keep}")
-        self.directory = epath.Path(os.path.abspath(directory))
+        self._save_every, self._keep = save_every, keep
+        super().__init__(directory)
+
+    def _prepare_directory(self) -> None:
         _check_writable(self.directory)
-        self._save_every = save_every
-        self._manager = ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep,
-                cleanup_tmp_directories=True,
-                enable_async_checkpointing=True,
-            ),
+
+    def _manager_options(self) -> ocp.CheckpointManagerOptions:
+        return ocp.CheckpointManagerOptions(
+            max_to_keep=self._keep, cleanup_tmp_directories=True, enable_async_checkpointing=True,
         )
+
+    def latest_step(self) -> int | None:
+        """Step of the newest finalized checkpoint, or None if there is none."""
+        return self._manager.latest_step()
+
+    def _steps(self) -> list[int]:
+        """The steps the manager keeps, newest first (this run is their only writer)."""
+        return sorted(self._manager.all_steps(), reverse=True)
 
     def save(
         self, step: int, state: PyTree, data_iterator: grain.DatasetIterator, *, force: bool = False
@@ -243,14 +258,6 @@ class Checkpointer(CheckpointReader):
             return self._manager.save(step, args=args, force=True)
         except (OSError, ValueError) as e:
             raise self._write_error(e) from e
-
-    def latest_step(self) -> int | None:
-        """Step of the newest finalized checkpoint, or None if there is none."""
-        return self._manager.latest_step()
-
-    def _steps(self) -> list[int]:
-        """The steps the manager keeps, newest first (this process is their only writer)."""
-        return sorted(self._manager.all_steps(), reverse=True)
 
     def _set_aside(self, steps: list[int]) -> None:
         """Renames the unusable `steps` to `<step>.corrupt[-k]` (process 0) and rescans."""

@@ -40,6 +40,7 @@ from postnorm.train import (
     batch_losses,
     build_experiment,
     global_frequency_floor,
+    require_checkpoint,
     train_iterator,
 )
 
@@ -198,6 +199,7 @@ def next_batches_loss(exp: Experiment, state, batches, num_batches: int) -> dict
 def restore_final(config: ml_collections.ConfigDict, workdir: str):
     """(experiment, state, step, data iterator positioned after that step) of the latest
     checkpoint in ``workdir``."""
+    require_checkpoint(workdir)  # before the data and model are built
     exp = build_experiment(config)
     batches = train_iterator(exp)
     ckpt = CheckpointReader(os.path.join(workdir, "checkpoints"))

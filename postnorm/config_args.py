@@ -8,10 +8,12 @@ they replace; an unknown key or variant, or a value of the wrong type, raises
 """
 
 import sys
+import textwrap
 from collections.abc import Callable, Mapping
+from typing import NoReturn
 
 import ml_collections
-from absl import app, flags
+from absl import flags
 
 ALIASES = {
     "lr": "opt.lr",
@@ -84,34 +86,45 @@ def apply_arg(config: ml_collections.ConfigDict, arg: str | None,
 
 
 def _config_arg_error(error: BaseException | None) -> ConfigArgError | None:
-    """The first ``ConfigArgError`` in the chain of exceptions that led to ``error``, if any
-    (ml_collections re-raises it as one of the same type whose message is the traceback)."""
-    found = None
-    while error is not None:
+    """The innermost (original) ``ConfigArgError`` in the chain of exceptions that led to
+    ``error``, if any (ml_collections re-raises it as one of the same type whose message is
+    the traceback)."""
+    found, seen = None, set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
         found = error if isinstance(error, ConfigArgError) else found
         error = error.__cause__ or error.__context__
     return found
 
 
+def _flag_error(message: str) -> NoReturn:
+    """absl's report of a flag error (as ``app.parse_flags_with_usage`` prints it); exit 1."""
+    if "\n" in message:
+        message = "\n" + textwrap.indent(message, "  ")
+    sys.stderr.write(f"FATAL Flags parsing error: {message}\n"
+                     "Pass --helpshort or --helpfull to see help on flags.\n")
+    sys.exit(1)
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing (``app.run(main, flags_parser=parse_flags)``), where two mistakes
-    become a one-line flag error (exit 1) instead of a traceback: a bad variant or
-    ``key=value`` in ``--config=<file>:<arg>`` (ml_collections quotes the traceback), and a
-    ``--config.<path>=value`` override of a field the config does not have (a bare
-    ``AttributeError``/``KeyError``)."""
+    become a flag error (exit 1) instead of a traceback: a config file that cannot be loaded,
+    a bad variant or ``key=value`` in ``--config=<file>:<arg>`` (ml_collections quotes the
+    traceback), and a ``--config.<path>=value`` override of a field the config does not have
+    (a bare ``AttributeError``/``KeyError``)."""
     overrides = [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--config.")]
     try:
-        return flags.FLAGS(argv)
+        remaining = flags.FLAGS(argv)
+        if "config" in flags.FLAGS:  # ml_collections defers a missing file's error to first use
+            getattr(flags.FLAGS["config"].value, "keys", None)
+        return remaining
+    except OSError as err:
+        _flag_error(f"--config: {err}")
     except flags.Error as err:
-        bad_arg = _config_arg_error(err)
-        if bad_arg is None:
-            return app.parse_flags_with_usage(argv)  # absl's usage message, exit 1
-        print(f"FATAL Flags parsing error: {bad_arg}", file=sys.stderr)
-        sys.exit(1)
+        _flag_error(str(_config_arg_error(err) or err))
     except (AttributeError, KeyError) as err:
         if not overrides:  # raised by the config file itself: its traceback is the message
             raise
-        print(f"FATAL Flags parsing error: a config override names a field the config does not "
-              f"have ({err}); the overrides given: {overrides}. The fields are in the config "
-              "file (e.g. configs/default.py).", file=sys.stderr)
-        sys.exit(1)
+        _flag_error(f"a config override names a field the config does not have ({err}); the "
+                    f"overrides given: {overrides}. The fields are in the config file (e.g. "
+                    "configs/default.py).")

@@ -17,7 +17,6 @@ import os
 
 import ml_collections
 
-from postnorm.checkpoint import finalized_steps
 from postnorm.data.files import write_json_atomic
 
 CONFIG_NAME = "config.json"
@@ -69,6 +68,17 @@ def config_digest(config: ml_collections.ConfigDict | dict) -> str:
 def config_path(workdir: str) -> str:
     """``<workdir>/config.json``."""
     return os.path.join(workdir, CONFIG_NAME)
+
+
+def finalized_steps(directory: str) -> list[int]:
+    """The finalized checkpoint steps under `directory` (``<step>/`` directories), newest
+    first. Listed from the directory itself, so a step deleted during the listing is left
+    out. Raises OSError when `directory` exists but cannot be listed."""
+    if not os.path.isdir(directory):
+        return []
+    steps = [int(name) for name in os.listdir(directory)
+             if name.isdigit() and os.path.isdir(os.path.join(directory, name))]
+    return sorted(steps, reverse=True)
 
 
 def latest_checkpoint_step(workdir: str) -> int | None:

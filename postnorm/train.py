@@ -147,12 +147,12 @@ def _restore_or_init(exp: Experiment, ckpt: Checkpointer):
 
 
 def _stop_together(check: Callable[[], None]) -> None:
-    """Run ``check``. If it raised a ``WorkdirError`` or ``MetricsFileError`` on any process,
-    every process raises (one whose own check passed says so), so that none is left waiting
-    for the others in a collective."""
+    """Run ``check``. If it raised a ``WorkdirError``, ``MetricsFileError`` or
+    ``CheckpointError`` on any process, every process raises (one whose own check passed says
+    so), so that none is left waiting for the others in a collective."""
     try:
         check()
-    except (WorkdirError, MetricsFileError):
+    except (WorkdirError, MetricsFileError, CheckpointError):
         all_processes_agree(False)
         raise
     if not all_processes_agree(True):
@@ -377,6 +377,15 @@ def _no_checkpoint(directory: str) -> CheckpointError:
                            "--workdir at a trained run")
 
 
+def require_checkpoint(workdir: str) -> None:
+    """CheckpointError unless ``workdir`` has a finalized checkpoint; checked on every process
+    and agreed on, before anything is created or loaded."""
+    def check() -> None:
+        if latest_checkpoint_step(workdir) is None:
+            raise _no_checkpoint(os.path.join(workdir, "checkpoints"))
+    _stop_together(check)
+
+
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> float:
     """Restore the latest checkpoint of ``workdir`` and evaluate it on the validation split."""
     check_config(config, device_count=jax.device_count(), process_count=jax.process_count())
@@ -384,8 +393,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> floa
     workdir = os.path.abspath(os.path.expanduser(workdir))
     _stop_together(lambda: check_eval_config(workdir, config))
     directory = os.path.join(workdir, "checkpoints")
-    if latest_checkpoint_step(workdir) is None:
-        raise _no_checkpoint(directory)  # before anything is created or loaded
+    require_checkpoint(workdir)
     ckpt = CheckpointReader(directory)  # writes nothing: safe beside a live trainer
     try:
         exp = build_experiment(config)

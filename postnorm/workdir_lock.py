@@ -54,8 +54,11 @@ class WorkdirLock:
         self._fd = fd
         holder = {"pid": os.getpid(), "host": socket.gethostname(),
                   "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(holder).encode(), 0)
+        except OSError as err:  # the lock holds; only the message of a refused run is poorer
+            logging.warning("could not record this run in %s (%s)", self.path, err)
 
     def _holder(self) -> str:
         """Who holds the lock, as its file says."""

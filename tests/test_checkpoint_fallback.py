@@ -188,3 +188,21 @@ def test_reader_of_a_missing_directory_names_it_and_creates_nothing(tmp_path):
     with pytest.raises(CheckpointError, match=f"no checkpoint directory {directory}: train first"):
         CheckpointReader(str(directory))
     assert not (tmp_path / "run").exists()
+
+
+def test_a_reader_whose_steps_all_vanish_says_so(saved, monkeypatch):
+    """Every step is deleted as it is read (a trainer saving far faster than the reader): the
+    error says the steps were deleted, not that the files are damaged."""
+    directory, _ = saved
+    read = CheckpointReader._restore_step
+
+    def deleted_on_read(self, step, *args):
+        shutil.rmtree(directory / str(step))
+        return read(self, step, *args)
+
+    monkeypatch.setattr(CheckpointReader, "_restore_step", deleted_on_read)
+    reader = CheckpointReader(str(directory))
+    with pytest.raises(CheckpointError, match=f"The checkpoints in {directory} were deleted "
+                       "while being read: .* let the trainer keep more"):
+        reader.restore_latest(_abstract(), _data_iter())
+    reader.close()

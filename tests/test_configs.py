@@ -77,8 +77,17 @@ def test_cli_override_of_an_unknown_field_is_a_one_line_flag_error(tmp_path):
 def test_cli_bad_config_argument_is_a_one_line_flag_error(tmp_path, arg, message):
     result = run_main("--config", f"configs/default.py:{arg}", "--workdir", str(tmp_path / "run"))
     assert result.returncode == 1
-    assert result.stderr.strip() == f"FATAL Flags parsing error: {message}"
+    assert result.stderr.splitlines()[0] == f"FATAL Flags parsing error: {message}"
+    assert "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_cli_missing_config_file_is_a_flag_error(tmp_path):
+    result = run_main("--config", "configs/nonexistent.py", "--workdir", str(tmp_path / "run"))
+    assert result.returncode == 1
+    assert "FATAL Flags parsing error" in result.stderr
+    assert "No such file or directory: 'configs/nonexistent.py'" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
 
 
 def test_cli_missing_c4_says_where_it_looked(tmp_path):

@@ -77,17 +77,24 @@ def _main(setup, workdir: Path, file_size_limit_kib: int | None = None):
                           env=subprocess_env(cache))
 
 
-@pytest.mark.parametrize("where", ["under-a-regular-file", "read-only-filesystem"])
+@pytest.mark.parametrize("where", ["under-a-regular-file", "read-only-filesystem",
+                                   "checkpoints-a-regular-file"])
 def test_unwritable_workdir_is_a_clear_error(setup, tmp_path, where, mounts):
     if where == "under-a-regular-file":
         (tmp_path / "file").write_text("")
         workdir = tmp_path / "file" / "run"
-    else:
+    elif where == "read-only-filesystem":
         mounts(tmp_path / "ro", "ro,size=64k")
         workdir = tmp_path / "ro" / "run"
+    else:
+        workdir = tmp_path / "run"
+        workdir.mkdir()
+        (workdir / "checkpoints").write_text("")
     result = _main(setup, workdir)
     assert result.returncode == 2, result.stderr[-3000:]
-    assert f"postnorm: error: Workdir {workdir} cannot be created or written" in result.stderr
+    unwritable = (f"Checkpoint directory {workdir}/checkpoints" if where.startswith("checkpoints")
+                  else f"Workdir {workdir}")
+    assert f"postnorm: error: {unwritable} cannot be created or written" in result.stderr
     assert "Traceback" not in result.stderr
 
 

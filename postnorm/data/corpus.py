@@ -117,9 +117,14 @@ def file_set_id(paths: Sequence[str]) -> str:
 
 
 def _read_utf8(path: str) -> str:
-    """The text of `path`; DataError naming the file and byte offset unless it is UTF-8."""
+    """The text of `path`; DataError naming the file (and byte) unless it is readable UTF-8."""
     try:
-        return Path(path).read_bytes().decode("utf-8")
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise DataError(f"{path} (matched by data.text_files) cannot be read ({err}): make it "
+                        "readable or narrow the data.text_files glob") from None
+    try:
+        return data.decode("utf-8")
     except UnicodeDecodeError as err:
         raise DataError(
             f"{path} (matched by data.text_files) is not UTF-8 text: byte {err.start} "
