@@ -35,7 +35,7 @@ from postnorm.data.tokenizers import read_user_sentencepiece
 from postnorm.model import ModelSpec, param_count_formula
 from postnorm.nonfinite import NonFiniteError
 from postnorm.plots import render_run_plots
-from postnorm.preemption import Preempted
+from postnorm.preemption import Stopped
 from postnorm.report import write_report
 from postnorm.run_config import config_data
 from postnorm.user_errors import USER_ERRORS
@@ -92,7 +92,7 @@ class OutputError(OSError):
 def main(argv: list[str]) -> None:
     try:
         run(argv)
-    except Preempted as stop:
+    except Stopped as stop:
         print(f"postnorm: {stop}", file=sys.stderr)
         if stop.interrupted:
             sys.exit(130)  # the shell's status for a Ctrl-C, after the checkpoint was saved

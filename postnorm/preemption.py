@@ -20,15 +20,53 @@ from absl import logging
 from jax.experimental import multihost_utils
 
 
-class Preempted(Exception):  # noqa: N818 -- not an error: the run stopped early on request
-    """The run saved a checkpoint at ``step`` and stopped; rerunning it resumes there.
+class Stopped(Exception):  # noqa: N818 -- not an error: work stopped early on request
+    """Work stopped early on request, and rerunning the same command resumes it.
     ``interrupted``: the request was a Ctrl-C (SIGINT), not a preemption (SIGTERM)."""
 
+    def __init__(self, message: str, interrupted: bool = False):
+        super().__init__(message, interrupted)  # both in args: it pickles across processes
+        self.interrupted = interrupted
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class Preempted(Stopped):
+    """The run saved a checkpoint at ``step`` and stopped; rerunning it resumes there."""
+
     def __init__(self, step: int, checkpoint_dir: str, interrupted: bool = False):
-        self.step, self.interrupted = step, interrupted
         reason = "interrupted (Ctrl-C)" if interrupted else "preempted"
         super().__init__(f"{reason} at step {step}: checkpoint saved in {checkpoint_dir}; "
-                         "rerun the same command to resume")
+                         "rerun the same command to resume", interrupted)
+        self.step, self.checkpoint_dir = step, checkpoint_dir
+
+    def __reduce__(self):
+        return Preempted, (self.step, self.checkpoint_dir, self.interrupted)
+
+
+# A stop asked for in a worker process (``record_stop_requests``): before its run's
+# PreemptionWatch took over, or during a run, so that the worker starts no other one.
+_early_request = {"recording": False, "requested": False, "interrupted": False}
+
+
+def _record_request(signum: int, frame: types.FrameType | None) -> None:
+    del frame
+    _early_request["requested"] = True
+    _early_request["interrupted"] |= signum == signal.SIGINT
+
+
+def record_stop_requests() -> None:
+    """Makes SIGTERM and SIGINT only record a stop request until a ``PreemptionWatch`` takes
+    over (worker processes, which they would otherwise kill between or before runs)."""
+    _early_request["recording"] = True
+    signal.signal(signal.SIGTERM, _record_request)
+    signal.signal(signal.SIGINT, _record_request)
+
+
+def stop_requested() -> bool:
+    """Whether ``record_stop_requests``'s handlers have seen a signal."""
+    return _early_request["requested"]
 
 
 class PreemptionWatch:
@@ -38,8 +76,8 @@ class PreemptionWatch:
     """
 
     def __init__(self, start_step: int):
-        self._requested = False
-        self.interrupted = False  # the stop was asked for with Ctrl-C
+        self._requested = _early_request["requested"]  # a request recorded before this watch
+        self.interrupted = _early_request["interrupted"]  # the stop was asked for with Ctrl-C
         self._previous: dict[int, object] = {}
         self._sync = False
         if jax.process_count() > 1:
@@ -56,12 +94,14 @@ class PreemptionWatch:
             logging.warning("training outside the main thread: SIGTERM will not checkpoint")
 
     def _on_sigterm(self, signum: int, frame: types.FrameType | None) -> None:
-        del signum, frame
         self._requested = True
+        if _early_request["recording"]:
+            _record_request(signum, frame)
 
     def _on_sigint(self, signum: int, frame: types.FrameType | None) -> None:
-        del frame
         self._requested = self.interrupted = True
+        if _early_request["recording"]:
+            _record_request(signum, frame)
         signal.signal(signum, self._previous.pop(signum))  # a second Ctrl-C stops at once
         logging.warning("Ctrl-C: saving a checkpoint after this step, then stopping (Ctrl-C "
                         "again to stop now without it)")

@@ -10,6 +10,7 @@ from postnorm.checkpoint import CheckpointError
 from postnorm.compilation_cache import CompilationCacheError
 from postnorm.data import DataError
 from postnorm.metrics import MetricsFileError
+from postnorm.preemption import Stopped
 from postnorm.run_config import WorkdirError
 from postnorm.validation import ConfigError
 
@@ -19,12 +20,16 @@ USER_ERRORS = (ConfigError, AllocatorError, CompilationCacheError, DataError, Ch
 
 def exit_2_on_user_error(main: Callable[[list[str]], None]) -> Callable[[list[str]], None]:
     """An absl ``main`` that prints a ``USER_ERRORS`` error as ``postnorm: error: ...`` and
-    exits 2 instead of ending in a traceback."""
+    exits 2 instead of ending in a traceback; a ``Stopped`` run prints its message and exits
+    0 (130 after a Ctrl-C), as main.py does."""
 
     @functools.wraps(main)
     def wrapped(argv: list[str]) -> None:
         try:
             main(argv)
+        except Stopped as stop:  # a checkpoint was saved: rerunning resumes
+            print(f"postnorm: {stop}", file=sys.stderr)
+            sys.exit(130 if stop.interrupted else 0)
         except USER_ERRORS as err:
             print(f"postnorm: error: {err}", file=sys.stderr)
             sys.exit(2)

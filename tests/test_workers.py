@@ -1,10 +1,32 @@
-"""Pinned worker processes (postnorm.workers): CPU groups and per-process affinity."""
+"""Pinned worker processes (postnorm.workers): CPU groups, per-process affinity, and stopping
+on request (a run's own preemption, SIGTERM to the parent, Ctrl-C to the process group)."""
 
 import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
+from postnorm.preemption import Preempted, PreemptionWatch, Stopped
 from postnorm.workers import cpu_groups, run_pinned
+from tests.reliability_helpers import REPO
+
+PARENT = """
+import sys
+from absl import app
+from postnorm.user_errors import exit_2_on_user_error
+from postnorm.workers import run_pinned
+from tests.test_workers import watched_job
+
+def main(argv):
+    print(run_pinned(watched_job, [(i, argv[1]) for i in range(4)], 2))
+
+app.run(exit_2_on_user_error(main))
+"""
 
 
 def affinity_and_square(x: int) -> tuple[list[int], int, int]:
@@ -32,3 +54,73 @@ def test_workers_are_pinned_to_disjoint_cpus_and_return_in_job_order():
     assert os.getpid() not in by_pid
     assert set(by_pid.values()) <= {tuple(g) for g in cpu_groups(workers)}
     assert len(set(by_pid.values())) == len(by_pid)  # no two processes share a group
+
+
+def preempted_or_square(x: int) -> int:
+    """Runs in a worker: job 0 stops as a preempted run does; the others return."""
+    if x == 0:
+        raise Preempted(7, "/runs/zero/checkpoints")
+    return x * x
+
+
+def watched_job(index: int, directory: str) -> int:
+    """Runs in a worker: a stand-in for a training run, stepping until its PreemptionWatch
+    says stop (then raising Preempted, as the trainer does) or two minutes pass."""
+    Path(directory, f"started_{index}").write_text(str(os.getpid()))
+    watch = PreemptionWatch(0)
+    try:
+        for step in range(2400):
+            if watch.should_stop(step):
+                raise Preempted(step, directory, interrupted=watch.interrupted)
+            time.sleep(0.05)
+    finally:
+        watch.close()
+    return index
+
+
+def test_preempted_pickles_whole():
+    """A worker's Preempted reaches the parent pickled: every field must survive."""
+    stop = pickle.loads(pickle.dumps(Preempted(7, "/runs/a/checkpoints", interrupted=True)))
+    assert (type(stop), stop.step, stop.checkpoint_dir, stop.interrupted) == (
+        Preempted, 7, "/runs/a/checkpoints", True)
+    assert str(stop) == ("interrupted (Ctrl-C) at step 7: checkpoint saved in /runs/a/checkpoints;"
+                         " rerun the same command to resume")
+
+
+def test_a_preempted_job_is_reported_and_the_others_finish():
+    """Its Preempted crosses the process boundary (it pickles) without breaking the pool."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs")
+    with pytest.raises(Stopped, match=r"stopped on request with 1 of 3 runs unfinished") as err:
+        run_pinned(preempted_or_square, [(0,), (1,), (2,)], 2)
+    assert not err.value.interrupted
+
+
+@pytest.mark.parametrize(("signum", "target", "status"), [
+    (signal.SIGTERM, "parent", 0),       # a scheduler stopping the sweep's process
+    (signal.SIGINT, "group", 130),       # Ctrl-C in the terminal: every process gets it
+], ids=["sigterm-parent", "ctrl-c-group"])
+def test_a_signal_stops_the_running_jobs_and_starts_no_more(tmp_path, signum, target, status):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs")
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("started_*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    workers = [int(p.read_text()) for p in tmp_path.glob("started_*")]
+    assert len(workers) == 2, parent.communicate(timeout=60)
+    if target == "parent":
+        parent.send_signal(signum)
+    else:
+        os.killpg(parent.pid, signum)
+    _, stderr = parent.communicate(timeout=60)
+    assert parent.returncode == status, stderr[-3000:]
+    assert ("postnorm: stopped on request with 4 of 4 runs unfinished (each one started saved "
+            "a checkpoint); rerun the same command to resume") in stderr
+    assert "Traceback" not in stderr
+    assert sorted(p.name for p in tmp_path.glob("started_*")) == ["started_0", "started_1"]
+    for pid in workers:  # the workers ended with the parent: none left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
