@@ -4,6 +4,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +14,8 @@ import sentencepiece as spm
 
 from postnorm.data import ByteTokenizer, load_data, spm_training
 from postnorm.data.lfreq import frequency_floor
+from tests.reliability_helpers import REPO, subprocess_env
+from tests.reliability_helpers import write_corpus as write_corpus_files
 from tests.test_data_pipeline import make_config, write_corpus
 
 TEXT = "rank collapse über café 数据\n    indented line\n"
@@ -147,3 +151,29 @@ def test_info_and_fingerprint(corpus_dir, tmp_path):
     assert other.info["path"] != info["path"] and other.fingerprint != lm.fingerprint
     assert other.info["num_docs"]["train"] + other.info["num_docs"]["validation"] == 10
     assert os.path.isdir(info["path"]) and os.path.isdir(other.info["path"])
+
+
+LOAD = """
+import json, sys
+from pathlib import Path
+from postnorm.data import load_data
+from tests.reliability_helpers import tiny_config
+data = load_data(tiny_config(Path(sys.argv[1]), Path(sys.argv[2])).data)
+print(json.dumps({"fingerprint": data.fingerprint, "lfreq": data.lfreq}))
+"""
+
+
+def test_runs_starting_together_on_a_fresh_data_dir_share_one_build(tmp_path):
+    """Three processes prepare the same text-files dataset at once: one builds it while the
+    others wait for the data_dir's lock, and all load the same data (without the lock, the
+    dataset build's final rename collided: FileExistsError)."""
+    corpus = write_corpus_files(tmp_path / "corpus", num_docs=3000)  # a build of a few seconds
+    processes = [subprocess.Popen([sys.executable, "-c", LOAD, str(corpus), str(tmp_path / "data")],
+                                  cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=subprocess_env(None))
+                 for _ in range(3)]
+    outputs = [process.communicate(timeout=300) for process in processes]
+    for process, (_, stderr) in zip(processes, outputs, strict=True):
+        assert process.returncode == 0, stderr[-3000:]
+    loaded = [json.loads(stdout.splitlines()[-1]) for stdout, _ in outputs]
+    assert loaded[0] == loaded[1] == loaded[2]

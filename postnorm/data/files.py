@@ -1,10 +1,16 @@
-"""Atomic cache writes, so an interrupted write never leaves a file that looks complete."""
+"""Atomic cache writes, so an interrupted write never leaves a file that looks complete, and a
+lock under which one process at a time prepares shared files."""
 
+import contextlib
+import fcntl
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from absl import logging
 
 from postnorm.data.errors import DataError
 
@@ -31,3 +37,28 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     """Writes `obj` as indented JSON, atomically."""
     write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+@contextlib.contextmanager
+def preparing(directory: str, purpose: str) -> Iterator[None]:
+    """Holds an exclusive lock on ``<directory>/.prepare.lock`` for the body, waiting for
+    another process that holds it (several runs starting together on a fresh data_dir); the
+    kernel drops it when the holder ends in any way."""
+    path = os.path.join(directory, ".prepare.lock")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise DataError(f"Cannot create {path} ({e.strerror}); make {directory} writable.") from e
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logging.info("waiting for another process preparing %s in %s", purpose, directory)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:  # a filesystem without locks (some network mounts)
+            logging.warning("cannot lock %s (%s): processes starting together may prepare %s "
+                            "at the same time", path, e, purpose)
+        yield
+    finally:
+        os.close(fd)

@@ -2,6 +2,7 @@
 
 import dataclasses
 import itertools
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,6 +14,7 @@ from absl import logging
 from postnorm.data import pipeline
 from postnorm.data.config import check_data_config
 from postnorm.data.errors import DataError
+from postnorm.data.files import preparing
 from postnorm.data.lfreq import get_unigram
 from postnorm.data.sources import prepare_source
 from postnorm.data.tokenizer_setup import get_tokenizer
@@ -92,9 +94,10 @@ def load_data(cfg: ml_collections.ConfigDict, *, seed: int = 0) -> LMData:
     """Validates `cfg`, prepares the dataset if needed, loads (or trains and caches) the
     tokenizer, computes (or reads the cached) L_freq and returns the LMData."""
     check_data_config(cfg)
-    source = prepare_source(cfg)
-    tokenizer = get_tokenizer(cfg, source)
-    unigram = get_unigram(source, tokenizer, cfg.lfreq_sample_docs)
+    with preparing(os.path.expanduser(cfg.data_dir), "the dataset, tokenizer and L_freq"):
+        source = prepare_source(cfg)
+        tokenizer = get_tokenizer(cfg, source)
+        unigram = get_unigram(source, tokenizer, cfg.lfreq_sample_docs)
     lfreq = unigram.lfreq
     info = {
         **source.info,
