@@ -4,6 +4,7 @@ TensorBoard events are written with tensorboardX (clu's metric writers import Te
 Only process 0 writes. Per-layer keys carry a zero-padded layer index (``layer_07``).
 """
 
+import itertools
 import json
 import math
 import os
@@ -70,13 +71,24 @@ def truncate_jsonl(path: str, last_step: int) -> None:
     os.replace(tmp, path)
 
 
+_WRITER_COUNT = itertools.count()
+
+
 class MetricWriter:
     """Writes scalars to TensorBoard and ``<workdir>/metrics.jsonl`` (process 0 only)."""
 
-    def __init__(self, workdir: str, *, enabled: bool = True):
+    def __init__(self, workdir: str, *, enabled: bool = True, after_step: int = 0):
+        """``after_step``: the steps to come are later ones; TensorBoard hides the events of
+        a previous writer at those steps (a resume or rollback repeats them), as
+        ``truncate_jsonl`` drops their JSONL records."""
         self.enabled = enabled
         self.jsonl_path = os.path.join(workdir, JSONL_NAME)
-        self._tb = SummaryWriter(logdir=os.path.join(workdir, "tensorboard")) if enabled else None
+        # tensorboardX names a file by the second it was opened and opens it with "wb": a
+        # writer reopened within that second (a rollback's restart) would erase the first.
+        suffix = f".{os.getpid()}.{next(_WRITER_COUNT):04d}"
+        self._tb = (SummaryWriter(logdir=os.path.join(workdir, "tensorboard"),
+                                  purge_step=after_step + 1, filename_suffix=suffix)
+                    if enabled else None)
         self._jsonl = open(self.jsonl_path, "a") if enabled else None  # noqa: SIM115
 
     def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:

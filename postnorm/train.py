@@ -164,7 +164,7 @@ def _open_metrics(workdir: str, last_step: int) -> MetricWriter:
     """A metric writer, after dropping the records of steps after ``last_step``."""
     path, writer = os.path.join(workdir, JSONL_NAME), jax.process_index() == 0
     _stop_together(lambda: truncate_jsonl(path, last_step) if writer else None)
-    return MetricWriter(workdir, enabled=writer)
+    return MetricWriter(workdir, enabled=writer, after_step=last_step)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:

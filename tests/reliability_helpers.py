@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from tensorboardX.proto import event_pb2
 
 from configs.default import get_config
 
@@ -125,3 +126,27 @@ def wait_for_step(process: subprocess.Popen, workdir: Path, step: int, log: Path
         time.sleep(0.02)
     process.kill()
     raise AssertionError(f"main.py did not reach step {step} in {timeout} s")
+
+
+def _tfrecords(path: Path):
+    """The records of a TFRecord file (length, its CRC, data, its CRC); the CRCs unchecked."""
+    data, at = path.read_bytes(), 0
+    while at + 12 <= len(data):
+        length = int.from_bytes(data[at:at + 8], "little")
+        yield data[at + 12:at + 12 + length]
+        at += 12 + length + 4
+
+
+def tensorboard_scalars(workdir: Path, tag: str) -> dict[int, list[float]]:
+    """``{step: values}`` of ``tag`` as TensorBoard shows them: the event files in order, and a
+    session START at step S hides the earlier events at steps >= S (a writer's purge_step)."""
+    shown: dict[int, list[float]] = {}
+    for path in sorted((workdir / "tensorboard").glob("events.out.tfevents.*")):
+        for record in _tfrecords(path):
+            event = event_pb2.Event.FromString(record)
+            if event.HasField("session_log") and event.session_log.status == 1:  # START
+                shown = {step: v for step, v in shown.items() if step < event.step}
+            for value in event.summary.value:
+                if value.tag == tag:
+                    shown.setdefault(event.step, []).append(value.simple_value)
+    return shown

@@ -4,8 +4,14 @@ nothing; the read-only modes (plots, report) say so without creating anything.""
 import pytest
 
 from postnorm import train
-from postnorm.metrics import MetricsFileError, read_jsonl, truncate_jsonl
-from tests.reliability_helpers import read_losses, run_main, tiny_config, write_corpus
+from postnorm.metrics import MetricsFileError, MetricWriter, read_jsonl, truncate_jsonl
+from tests.reliability_helpers import (
+    read_losses,
+    run_main,
+    tensorboard_scalars,
+    tiny_config,
+    write_corpus,
+)
 
 GOOD = b'{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n'
 
@@ -81,3 +87,19 @@ def test_plots_that_cannot_be_written_exit_2_in_plots_mode(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"postnorm: error: --mode=plots could not write under {workdir}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_reopened_writer_keeps_the_old_events_and_hides_the_repeated_steps(tmp_path):
+    """A resume or rollback after step 2 rewrites steps 3 and 4: TensorBoard shows each step
+    once, with the new values (the second writer opens within the same second as the first,
+    which must not erase its file)."""
+    first = MetricWriter(str(tmp_path))
+    for step in (1, 2, 3, 4):
+        first.write_scalars(step, {"train/loss": float(step)})
+    first.close()
+    second = MetricWriter(str(tmp_path), after_step=2)
+    for step in (3, 4):
+        second.write_scalars(step, {"train/loss": 10.0 * step})
+    second.close()
+    assert tensorboard_scalars(tmp_path, "train/loss") == {1: [1.0], 2: [2.0], 3: [30.0],
+                                                           4: [40.0]}
