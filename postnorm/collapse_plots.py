@@ -21,7 +21,7 @@ from postnorm.collapse import (  # noqa: E402
     lfreq_of,
     train_loss_and_floor,
 )
-from postnorm.plots import layer_series  # noqa: E402
+from postnorm.plots import layer_series, save_figure  # noqa: E402
 
 Series = dict[str, tuple[np.ndarray, np.ndarray]]
 Window = tuple[int, int] | None
@@ -31,8 +31,7 @@ SUBLAYERS = ("attn", "ffn")
 
 def _save(fig: plt.Figure, path: str) -> str:
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)
     return path
 
 

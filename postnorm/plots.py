@@ -7,6 +7,7 @@
 
 import os
 import re
+import tempfile
 from collections import defaultdict
 
 import matplotlib
@@ -15,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from postnorm.metrics import JSONL_NAME, read_jsonl  # noqa: E402
+from postnorm.metrics import JSONL_NAME, MetricsFileError, read_jsonl  # noqa: E402
 
 HEATMAPS = {
     "tsim": ("tsim", "token similarity tsim(X_k)", False),
@@ -26,9 +27,31 @@ HEATMAPS = {
 _LAYER_KEY = re.compile(r"^diag/(?P<name>.+)/layer_(?P<layer>\d+)$")
 
 
+def save_figure(fig: plt.Figure, path: str, **savefig_kwargs) -> None:
+    """Saves and closes ``fig``: written beside ``path``, then renamed into place, so a reader
+    (a report rendered while a run writes its plots) never sees a partial PNG."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", suffix=".png.tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fig.savefig(f, format="png", **savefig_kwargs)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    finally:
+        plt.close(fig)
+
+
 def read_metrics(workdir: str) -> list[dict]:
-    """The run's ``metrics.jsonl`` records (``postnorm.metrics.read_jsonl``)."""
-    return read_jsonl(os.path.join(workdir, JSONL_NAME))
+    """The run's ``metrics.jsonl`` records (``postnorm.metrics.read_jsonl``);
+    ``MetricsFileError`` until the run has logged a train step."""
+    path = os.path.join(workdir, JSONL_NAME)
+    records = read_jsonl(path)
+    if not any("train/loss" in record for record in records):
+        raise MetricsFileError(f"{path} holds no logged train step yet: rerun this once the run "
+                               "has logged one (every train.log_every steps)")
+    return records
 
 
 def layer_series(records: list[dict]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -86,8 +109,7 @@ def plot_heatmaps(series: dict, out_dir: str) -> list[str]:
             _heatmap(ax, steps, shown, f"{title}, {kind} input")
         fig.tight_layout()
         path = os.path.join(out_dir, f"heatmap_{file_name}.png")
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        save_figure(fig, path, dpi=110)
         paths.append(path)
     return paths
 
@@ -113,8 +135,7 @@ def plot_loss(records: list[dict], out_dir: str) -> str | None:
     ax.legend()
     fig.tight_layout()
     path = os.path.join(out_dir, "loss_vs_lfreq.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
     return path
 
 

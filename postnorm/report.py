@@ -13,6 +13,7 @@ import html
 import json
 import math
 import os
+import tempfile
 import time
 
 from postnorm.collapse import (
@@ -132,7 +133,7 @@ def build_report(workdir: str, fallback_config: dict | None = None,
     records = read_metrics(workdir)
     series = layer_series(records)
     collapse = detect_collapse(records, rule) if "tsim_attn" in series else None
-    plot_dir = os.path.join(workdir, "plots")
+    plot_dir = os.path.join(workdir, "plots", "report")  # the run's own plots/ stay as written
     name = os.path.basename(os.path.abspath(workdir))
     figures = render_collapse_figures(records, collapse, plot_dir, title=name)
     heatmaps = plot_heatmaps(series, plot_dir)
@@ -188,7 +189,13 @@ def write_report(workdir: str, fallback_config: dict | None = None) -> str:
     """Write ``<workdir>/report.html``; returns its path."""
     path = os.path.join(workdir, REPORT_NAME)
     text = build_report(workdir, fallback_config)
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
+    fd, tmp = tempfile.mkstemp(dir=workdir, prefix=f".{REPORT_NAME}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
     return path

@@ -11,6 +11,7 @@ import sys
 import numpy as np
 
 from postnorm.collapse import lfreq_of, loss_and_floor_at, train_loss_and_floor
+from postnorm.metrics import MetricsFileError
 from postnorm.plots import layer_series, read_metrics
 
 
@@ -51,7 +52,11 @@ def summarize(workdir: str, early_layers: int = 4, tail: int = 3) -> dict:
 
 def main(argv: list[str]) -> None:
     for workdir in argv[1:]:
-        print(json.dumps(summarize(workdir), indent=2))
+        try:
+            print(json.dumps(summarize(workdir), indent=2))
+        except MetricsFileError as err:
+            print(f"postnorm: error: {err}", file=sys.stderr)
+            sys.exit(2)
 
 
 if __name__ == "__main__":

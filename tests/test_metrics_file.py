@@ -1,11 +1,15 @@
 """A damaged or missing metrics.jsonl is a clear error that names the file and line and loses
 nothing; the read-only modes (plots, report) say so without creating anything."""
 
+import subprocess
+import sys
+
 import pytest
 
 from postnorm import train
 from postnorm.metrics import MetricsFileError, MetricWriter, read_jsonl, truncate_jsonl
 from tests.reliability_helpers import (
+    REPO,
     read_losses,
     run_main,
     tensorboard_scalars,
@@ -103,3 +107,18 @@ def test_a_reopened_writer_keeps_the_old_events_and_hides_the_repeated_steps(tmp
     second.close()
     assert tensorboard_scalars(tmp_path, "train/loss") == {1: [1.0], 2: [2.0], 3: [30.0],
                                                            4: [40.0]}
+
+
+@pytest.mark.parametrize("module", ["postnorm.run_summary", "main"])
+def test_a_run_that_has_not_logged_yet_is_a_one_line_error(tmp_path, module):
+    """run_summary and --mode=report on a run in its first seconds (metrics.jsonl empty)."""
+    (tmp_path / "metrics.jsonl").write_text("")
+    args = ([str(tmp_path)] if module != "main"
+            else ["--mode=report", "--config", "configs/default.py", "--workdir", str(tmp_path)])
+    result = subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().endswith(
+        f"postnorm: error: {tmp_path}/metrics.jsonl holds no logged train step yet: rerun this "
+        "once the run has logged one (every train.log_every steps)")
+    assert "Traceback" not in result.stderr

@@ -9,6 +9,7 @@ import sys
 from configs.default import get_config
 from postnorm import report
 from postnorm.metrics import layer_key
+from postnorm.plots import render_run_plots
 
 N_LAYERS, STEPS = 6, list(range(10, 101, 10))
 FIGURES = ["loss_vs_lfreq", "tsim", "layers", "dldx", "heatmap_tsim", "heatmap_dldx",
@@ -95,3 +96,15 @@ def test_report_shows_the_thm38_record_and_the_fresh_batch_loss(tmp_path):
                          ("next 512 training batches (not trained on): loss / L_freq", "1.01486"),
                          ("next 512 training batches (not trained on): loss / floor", "1.01738")]:
         assert re.search(re.escape(label) + r"</t[dh]>\s*<td>" + re.escape(value), text), label
+
+
+def test_the_report_leaves_the_runs_own_plots_as_they_were(tmp_path):
+    """--mode=report writes its figures under plots/report/, not over the trainer's plots/
+    (whose loss_vs_lfreq.png is another figure)."""
+    write_run(tmp_path)
+    render_run_plots(str(tmp_path))
+    before = {p.name: p.read_bytes() for p in (tmp_path / "plots").glob("*.png")}
+    report.write_report(str(tmp_path))
+    assert {p.name: p.read_bytes() for p in (tmp_path / "plots").glob("*.png")} == before
+    assert sorted(p.stem for p in (tmp_path / "plots" / "report").glob("*.png")) == sorted(FIGURES)
+    assert not list(tmp_path.rglob("*.tmp"))
