@@ -77,17 +77,18 @@ _WRITER_COUNT = itertools.count()
 class MetricWriter:
     """Writes scalars to TensorBoard and ``<workdir>/metrics.jsonl`` (process 0 only)."""
 
-    def __init__(self, workdir: str, *, enabled: bool = True, after_step: int = 0):
+    def __init__(self, workdir: str, *, enabled: bool = True, after_step: int | None = None):
         """``after_step``: the steps to come are later ones; TensorBoard hides the events of
         a previous writer at those steps (a resume or rollback repeats them), as
-        ``truncate_jsonl`` drops their JSONL records."""
+        ``truncate_jsonl`` drops their JSONL records. None: hide nothing."""
         self.enabled = enabled
         self.jsonl_path = os.path.join(workdir, JSONL_NAME)
         # tensorboardX names a file by the second it was opened and opens it with "wb": a
         # writer reopened within that second (a rollback's restart) would erase the first.
         suffix = f".{os.getpid()}.{next(_WRITER_COUNT):04d}"
         self._tb = (SummaryWriter(logdir=os.path.join(workdir, "tensorboard"),
-                                  purge_step=after_step + 1, filename_suffix=suffix)
+                                  purge_step=None if after_step is None else after_step + 1,
+                                  filename_suffix=suffix)
                     if enabled else None)
         self._jsonl = open(self.jsonl_path, "a") if enabled else None  # noqa: SIM115
 

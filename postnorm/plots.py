@@ -30,14 +30,16 @@ _LAYER_KEY = re.compile(r"^diag/(?P<name>.+)/layer_(?P<layer>\d+)$")
 def save_figure(fig: plt.Figure, path: str, **savefig_kwargs) -> None:
     """Saves and closes ``fig``: written beside ``path``, then renamed into place, so a reader
     (a report rendered while a run writes its plots) never sees a partial PNG."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", suffix=".png.tmp")
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", suffix=".png.tmp")
         with os.fdopen(fd, "wb") as f:
             fig.savefig(f, format="png", **savefig_kwargs)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
-        os.unlink(tmp)
+        if tmp is not None:
+            os.unlink(tmp)
         raise
     finally:
         plt.close(fig)

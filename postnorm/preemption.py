@@ -76,8 +76,8 @@ class PreemptionWatch:
     """
 
     def __init__(self, start_step: int):
-        self._requested = _early_request["requested"]  # a request recorded before this watch
-        self.interrupted = _early_request["interrupted"]  # the stop was asked for with Ctrl-C
+        self._requested = False
+        self.interrupted = False  # the stop was asked for with Ctrl-C
         self._previous: dict[int, object] = {}
         self._sync = False
         if jax.process_count() > 1:
@@ -92,6 +92,10 @@ class PreemptionWatch:
             self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_sigint)
         else:
             logging.warning("training outside the main thread: SIGTERM will not checkpoint")
+        # A request recorded before this watch's handlers existed (read after installing them,
+        # so that none falls between the two).
+        self._requested |= _early_request["requested"]
+        self.interrupted |= _early_request["interrupted"]
 
     def _on_sigterm(self, signum: int, frame: types.FrameType | None) -> None:
         self._requested = True

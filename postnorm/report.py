@@ -142,16 +142,16 @@ def build_report(workdir: str, fallback_config: dict | None = None,
     evals = [r["eval/loss"] for r in records if "eval/loss" in r]
     lfreq = lfreq_of(records)
     train_S = train_loss_and_floor(records)
-    floor = loss_and_floor_at(train_S, train_S[-1][0], rule.loss_smoothing) if train else None
+    floor = loss_and_floor_at(train_S, train_S[-1][0], rule.loss_smoothing)
     summary = [("workdir", os.path.abspath(workdir)),
                ("model", f"{config['model']['norm']}-norm, {config['model']['n_layers']} layers, "
                          f"d={config['model']['d_model']}"),
-               ("last logged step", train[-1][0] if train else None),
-               ("train loss at the last logged step", train[-1][1] if train else None),
+               ("last logged step", train[-1][0]),
+               ("train loss at the last logged step", train[-1][1]),
                ("final eval loss", evals[-1] if evals else None), ("L_freq", lfreq),
-               ("the same / L_freq", train[-1][1] / lfreq if train else None),
+               ("the same / L_freq", train[-1][1] / lfreq),
                (f"mean train loss of the last {rule.loss_smoothing} logged steps / the "
-                "frequency floor of their batches", floor[0] / floor[1] if floor else None)]
+                "frequency floor of their batches", floor[0] / floor[1])]
     if collapse is not None:
         summary += [("collapsed", "yes" if collapse.collapsed else "no"),
                     ("collapse step", collapse.collapse_step),

@@ -50,10 +50,8 @@ def is_finished(workdir: str, config: ml_collections.ConfigDict) -> bool:
 
 def run_metrics_summary(workdir: str, rule: CollapseRule = DEFAULT_RULE) -> dict:
     """Loss against L_freq (``run_summary.summarize``) and the collapse detection of a run."""
-    records = read_metrics(workdir)
-    out: dict = {}
-    if any("train/loss" in r for r in records):
-        out.update(summarize(workdir, early_layers=rule.early_layers))
+    records = read_metrics(workdir)  # holds a train step
+    out: dict = summarize(workdir, early_layers=rule.early_layers)
     if any(k.startswith("diag/tsim_attn/") for r in records for k in r):
         out["collapse"] = detect_collapse(records, rule).to_json()
     skipped = [r["train/skipped_steps"] for r in records if "train/skipped_steps" in r]

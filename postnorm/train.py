@@ -215,7 +215,7 @@ def _train_holding_the_lock(config: ml_collections.ConfigDict, workdir: str) -> 
     if jax.process_index() == 0:
         try:
             render_run_plots(workdir)
-        except OSError as err:  # the run itself is complete and checkpointed
+        except (OSError, MetricsFileError) as err:  # the run is complete and checkpointed
             logging.error("the run finished, but its plots could not be written (%s); fix that, "
                           "then run main.py --mode=plots --workdir %s", err, workdir)
     return reporter.final

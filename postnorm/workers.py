@@ -7,13 +7,16 @@ interpreter whose CPU affinity is set before JAX creates its CPU client, which s
 pool to the pinned cores.
 """
 
+import contextlib
 import multiprocessing
 import os
+import queue
 import signal
 import threading
 import types
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 
 from postnorm.preemption import Stopped, record_stop_requests, stop_requested
 
@@ -28,20 +31,31 @@ def cpu_groups(workers: int, cpus: Sequence[int] | None = None) -> list[list[int
     return [cpus[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
-def _start_worker(groups) -> None:
-    os.sched_setaffinity(0, groups.get())
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+_sweep_stopping = None  # in a worker: the parent's event, set once the pool is stopping
+
+
+def _start_worker(groups, pids, stopping) -> None:
+    global _sweep_stopping
     record_stop_requests()  # a signal between runs must not kill the worker (and the pool)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked since the parent spawned it
+    _sweep_stopping = stopping
+    os.sched_setaffinity(0, groups.get())
+    pids.put(os.getpid())
 
 
 def _run_job(fn: Callable, job: tuple):
     """``fn(*job)`` in a worker, unless a stop was requested before it started."""
-    if stop_requested():
+    if stop_requested() or _sweep_stopping.is_set():
         raise Stopped("not started: a stop was requested")
     return fn(*job)
 
 
 class _StopRequests:
-    """While active (in the main thread), SIGTERM and SIGINT only record a request."""
+    """While active (in the main thread), SIGTERM and a first Ctrl-C only record a request; a
+    second Ctrl-C raises KeyboardInterrupt."""
 
     def __init__(self) -> None:
         self.requested = self.interrupted = False
@@ -49,12 +63,14 @@ class _StopRequests:
 
     def _record(self, signum: int, frame: types.FrameType | None) -> None:
         del frame
+        if signum == signal.SIGINT and self.interrupted:
+            raise KeyboardInterrupt
         self.requested = True
         self.interrupted |= signum == signal.SIGINT
 
     def __enter__(self) -> "_StopRequests":
         if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGTERM, signal.SIGINT):
+            for signum in _STOP_SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._record)
         return self
 
@@ -63,13 +79,29 @@ class _StopRequests:
             signal.signal(signum, handler)
 
 
-def _stop_workers(futures: list[Future]) -> None:
-    """Cancels the jobs not yet started and asks every worker to checkpoint and stop (SIGTERM;
-    a worker that got the terminal's Ctrl-C too records it once)."""
-    for future in futures:
-        future.cancel()
-    for child in multiprocessing.active_children():
-        os.kill(child.pid, signal.SIGTERM)
+class _Workers:
+    """The pool's worker processes, as they report their pids."""
+
+    def __init__(self, pids: queue.Queue) -> None:
+        self._pids, self.known, self._signalled = pids, set(), set()
+
+    def signal(self, signum: int, *, again: bool = False) -> None:
+        """Sends ``signum`` to the workers not sent one yet (``again``: to every worker)."""
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self.known.add(self._pids.get_nowait())
+        for pid in self.known if again else self.known - self._signalled:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+        self._signalled |= self.known
+
+
+def _unfinished(future: Future, stopping: bool) -> bool:
+    """Whether the job stopped on request (or its worker died while the pool was stopping)."""
+    if future.cancelled():
+        return True
+    error = future.exception()
+    return isinstance(error, Stopped) or (stopping and isinstance(error, BrokenProcessPool))
 
 
 def run_pinned(fn: Callable, jobs: Sequence[tuple], workers: int) -> list:
@@ -77,32 +109,48 @@ def run_pinned(fn: Callable, jobs: Sequence[tuple], workers: int) -> list:
     ``workers`` is 1). ``fn`` must be importable (a module-level function); a job's exception
     is raised here once every job has ended.
 
-    On SIGTERM or Ctrl-C the jobs not started are dropped and the running ones are asked to
-    checkpoint and stop; then ``Stopped`` says how many runs are unfinished. A job that
-    stopped on its own request (its worker got the signal) counts the same way.
+    On SIGTERM or Ctrl-C, or when one job stops on request (its worker got the signal), every
+    worker is asked to checkpoint and stop (SIGTERM) and starts no further job; then
+    ``Stopped`` says how many runs are unfinished. A second Ctrl-C kills the workers at once.
     """
     if workers == 1:
         return [fn(*job) for job in jobs]
     context = multiprocessing.get_context("spawn")
-    groups = context.Queue()
+    groups, pids, stopping_event = context.Queue(), context.Queue(), context.Event()
     for group in cpu_groups(workers):
         groups.put(group)
-    with _StopRequests() as stop, ProcessPoolExecutor(
-            workers, mp_context=context, initializer=_start_worker, initargs=(groups,)) as pool:
-        futures = [pool.submit(_run_job, fn, job) for job in jobs]
+    pool_workers = _Workers(pids)
+    with _StopRequests() as stop:
+        # Workers inherit the blocked signals and unblock them once they can record them:
+        # a signal while one is still starting would otherwise kill it (and the pool).
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
+                                       initargs=(groups, pids, stopping_event))
+            futures = [pool.submit(_run_job, fn, job) for job in jobs]
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         pending, stopping = set(futures), False
-        while pending:
-            _, pending = wait(pending, timeout=0.2)
-            if stop.requested and not stopping:
-                _stop_workers(futures)
-                stopping = True
-    unfinished = [f for f in futures if f.cancelled() or isinstance(f.exception(), Stopped)]
+        try:
+            while pending:
+                done, pending = wait(pending, timeout=0.2)
+                if not stopping and (stop.requested or any(_unfinished(f, False) for f in done)):
+                    stopping_event.set()  # no worker starts another job
+                    stopping = True
+                if stopping:  # running jobs checkpoint and stop (workers reporting late too)
+                    pool_workers.signal(signal.SIGTERM)
+        except KeyboardInterrupt:  # the second Ctrl-C
+            pool_workers.signal(signal.SIGKILL, again=True)
+            raise
+        finally:
+            pool.shutdown(wait=True)
+    unfinished = [f for f in futures if _unfinished(f, stopping)]
     errors = [f.exception() for f in futures if f not in unfinished and f.exception()]
     if errors:
         raise errors[0]
     if unfinished:
         interrupted = stop.interrupted or any(
-            f.exception().interrupted for f in unfinished if not f.cancelled())
+            isinstance(f.exception(), Stopped) and f.exception().interrupted for f in unfinished)
         raise Stopped(f"stopped on request with {len(unfinished)} of {len(jobs)} runs "
                       "unfinished (each one started saved a checkpoint); rerun the same command "
                       "to resume", interrupted)

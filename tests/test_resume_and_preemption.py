@@ -9,6 +9,7 @@ runs are deterministic.
 import re
 import signal
 
+import numpy as np
 import pytest
 
 from postnorm.metrics import truncate_jsonl
@@ -19,6 +20,7 @@ from tests.reliability_helpers import (
     read_records,
     run_main,
     start_main,
+    tensorboard_scalars,
     wait_for_step,
     write_corpus,
 )
@@ -52,6 +54,8 @@ def _rerun_and_compare(config: str, cache, workdir, expected: dict[int, float],
     steps = [r["step"] for r in read_records(workdir) if "train/loss" in r]
     assert steps == list(range(1, STEPS + 1))  # repeated steps were dropped, then rewritten
     assert read_losses(workdir) == expected  # every step, bit for bit
+    shown = tensorboard_scalars(workdir, "train/loss")  # TensorBoard: each step once
+    assert shown == {step: [np.float32(loss)] for step, loss in expected.items()}
     return int(resumed.group(1))
 
 

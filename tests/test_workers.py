@@ -124,3 +124,35 @@ def test_a_signal_stops_the_running_jobs_and_starts_no_more(tmp_path, signum, ta
     for pid in workers:  # the workers ended with the parent: none left behind
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+EARLY = """
+import os, signal, sys, threading, time
+from absl import app
+from postnorm.user_errors import exit_2_on_user_error
+from postnorm.workers import run_pinned
+from tests.test_workers import watched_job
+
+def main(argv):
+    threading.Timer(float(argv[2]), lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+    print(run_pinned(watched_job, [(i, argv[1]) for i in range(4)], 2))
+
+if __name__ == "__main__":
+    app.run(exit_2_on_user_error(main))
+"""
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.5])
+def test_a_signal_while_the_workers_start_stops_cleanly(tmp_path, delay):
+    """SIGTERM before the workers can handle it (still importing): no worker dies of it, no
+    job starts, and the parent stops in one line instead of hanging."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs")
+    script = tmp_path / "early.py"
+    script.write_text(EARLY)
+    result = subprocess.run([sys.executable, str(script), str(tmp_path), str(delay)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "postnorm: stopped on request with 4 of 4 runs unfinished" in result.stderr
+    assert not list(tmp_path.glob("started_*")) and "Traceback" not in result.stderr

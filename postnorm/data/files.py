@@ -40,16 +40,22 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
 
 
 @contextlib.contextmanager
-def preparing(directory: str, purpose: str) -> Iterator[None]:
+def preparing(directory: str, purpose: str, *, create: bool) -> Iterator[None]:
     """Holds an exclusive lock on ``<directory>/.prepare.lock`` for the body, waiting for
     another process that holds it (several runs starting together on a fresh data_dir); the
-    kernel drops it when the holder ends in any way."""
-    path = os.path.join(directory, ".prepare.lock")
+    kernel drops it when the holder ends in any way. ``create``: make ``directory`` first.
+    Where no lock can be taken (a read-only, already prepared directory) the body runs
+    without one."""
+    path, fd = os.path.join(directory, ".prepare.lock"), None
     try:
-        os.makedirs(directory, exist_ok=True)
+        if create:
+            os.makedirs(directory, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        raise DataError(f"Cannot create {path} ({e.strerror}); make {directory} writable.") from e
+        logging.info("no lock on %s (%s): preparing %s without one", path, e.strerror, purpose)
+    if fd is None:
+        yield
+        return
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -94,7 +94,8 @@ def load_data(cfg: ml_collections.ConfigDict, *, seed: int = 0) -> LMData:
     """Validates `cfg`, prepares the dataset if needed, loads (or trains and caches) the
     tokenizer, computes (or reads the cached) L_freq and returns the LMData."""
     check_data_config(cfg)
-    with preparing(os.path.expanduser(cfg.data_dir), "the dataset, tokenizer and L_freq"):
+    with preparing(os.path.expanduser(cfg.data_dir), "the dataset, tokenizer and L_freq",
+                   create=cfg.source != "c4"):  # C4 is prepared beforehand, where it lies
         source = prepare_source(cfg)
         tokenizer = get_tokenizer(cfg, source)
         unigram = get_unigram(source, tokenizer, cfg.lfreq_sample_docs)
