@@ -5,9 +5,9 @@
 * train and eval loss against the collapse floor L_freq.
 """
 
+import io
 import os
 import re
-import tempfile
 from collections import defaultdict
 
 import matplotlib
@@ -16,6 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from postnorm.data.files import replace_file  # noqa: E402
 from postnorm.metrics import JSONL_NAME, MetricsFileError, read_jsonl  # noqa: E402
 
 HEATMAPS = {
@@ -28,21 +29,14 @@ _LAYER_KEY = re.compile(r"^diag/(?P<name>.+)/layer_(?P<layer>\d+)$")
 
 
 def save_figure(fig: plt.Figure, path: str, **savefig_kwargs) -> None:
-    """Saves and closes ``fig``: written beside ``path``, then renamed into place, so a reader
-    (a report rendered while a run writes its plots) never sees a partial PNG."""
-    tmp = None
+    """Saves ``fig`` as a PNG with ``replace_file``, so a reader (a report rendered while a
+    run writes its plots) never sees a partial one, and closes it."""
+    png = io.BytesIO()
     try:
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", suffix=".png.tmp")
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", **savefig_kwargs)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if tmp is not None:
-            os.unlink(tmp)
-        raise
+        fig.savefig(png, format="png", **savefig_kwargs)
     finally:
         plt.close(fig)
+    replace_file(path, png.getvalue())
 
 
 def read_metrics(workdir: str) -> list[dict]:

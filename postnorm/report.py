@@ -13,7 +13,6 @@ import html
 import json
 import math
 import os
-import tempfile
 import time
 
 from postnorm.collapse import (
@@ -26,6 +25,7 @@ from postnorm.collapse import (
     train_loss_and_floor,
 )
 from postnorm.collapse_plots import render_collapse_figures
+from postnorm.data.files import replace_file
 from postnorm.plots import layer_series, plot_heatmaps, read_metrics
 from postnorm.run_config import config_path, read_run_config
 
@@ -189,13 +189,5 @@ def write_report(workdir: str, fallback_config: dict | None = None) -> str:
     """Write ``<workdir>/report.html``; returns its path."""
     path = os.path.join(workdir, REPORT_NAME)
     text = build_report(workdir, fallback_config)
-    fd, tmp = tempfile.mkstemp(dir=workdir, prefix=f".{REPORT_NAME}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    replace_file(path, text.encode())
     return path

@@ -15,23 +15,29 @@ from absl import logging
 from postnorm.data.errors import DataError
 
 
-def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Writes `data` to a temporary file beside `path`, then renames it into place."""
+def replace_file(path: str | os.PathLike, data: bytes) -> None:
+    """Writes `data` to a temporary file beside `path`, then renames it into place, so a
+    reader never sees a partial file; OSError (the temporary file removed) on failure."""
     path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as e:
-        raise DataError(
-            f"Cannot write the cache file {path} ({e.strerror}); make {path.parent} writable."
-        ) from e
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp creates 0600; caches are shared like the dataset files
+        os.fchmod(fd, 0o644)  # mkstemp creates 0600; outputs are shared like the dataset files
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """``replace_file`` for a cache file; DataError naming it when it cannot be written."""
+    path = Path(path)
+    try:
+        replace_file(path, data)
+    except OSError as e:
+        raise DataError(f"Cannot write the cache file {path} ({e.strerror}); make "
+                        f"{path.parent} writable and give it free space.") from e
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
