@@ -35,10 +35,9 @@ from postnorm.data.tokenizers import read_user_sentencepiece
 from postnorm.model import ModelSpec, param_count_formula
 from postnorm.nonfinite import NonFiniteError
 from postnorm.plots import render_run_plots
-from postnorm.preemption import Stopped
 from postnorm.report import write_report
-from postnorm.run_config import config_data
-from postnorm.user_errors import USER_ERRORS
+from postnorm.run_config import WorkdirError, config_data
+from postnorm.user_errors import exit_2_on_user_error
 from postnorm.validation import check_model
 
 FLAGS = flags.FLAGS
@@ -85,20 +84,14 @@ def init_distributed() -> None:
                                num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
 
 
-class OutputError(OSError):
-    """A plots or report output that could not be written."""
+class OutputError(WorkdirError):
+    """A plots or report output that could not be written (a user error: exit 2)."""
 
 
+@exit_2_on_user_error  # also prints a Stopped run's message: exit 0, or 130 after Ctrl-C
 def main(argv: list[str]) -> None:
     try:
         run(argv)
-    except Stopped as stop:
-        print(f"postnorm: {stop}", file=sys.stderr)
-        if stop.interrupted:
-            sys.exit(130)  # the shell's status for a Ctrl-C, after the checkpoint was saved
-    except (*USER_ERRORS, OutputError) as err:
-        print(f"postnorm: error: {err}", file=sys.stderr)
-        sys.exit(2)
     except NonFiniteError as err:
         print(f"postnorm: error: {err}", file=sys.stderr)
         sys.exit(3)
