@@ -166,7 +166,7 @@ class CheckpointReader:
                 steps = [s for s in listed if s not in failures]
         listed = self._steps()
         damaged = {step: reason for step, reason in failures.items() if step in listed}
-        if failures and not damaged or not failures and rescans:
+        if not damaged and (failures or rescans):  # every step tried vanished
             raise CheckpointError(
                 f"The checkpoints in {self.directory} were deleted while being read: a trainer "
                 "of this workdir saves and deletes them faster than they can be read. Rerun, "

@@ -12,13 +12,11 @@ import multiprocessing
 import os
 import queue
 import signal
-import threading
-import types
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 
-from postnorm.preemption import Stopped, record_stop_requests, stop_requested
+from postnorm.preemption import PreemptionWatch, Stopped, record_stop_requests, stop_requested
 
 
 def cpu_groups(workers: int, cpus: Sequence[int] | None = None) -> list[list[int]]:
@@ -51,32 +49,6 @@ def _run_job(fn: Callable, job: tuple):
     if stop_requested() or _sweep_stopping.is_set():
         raise Stopped("not started: a stop was requested")
     return fn(*job)
-
-
-class _StopRequests:
-    """While active (in the main thread), SIGTERM and a first Ctrl-C only record a request; a
-    second Ctrl-C raises KeyboardInterrupt."""
-
-    def __init__(self) -> None:
-        self.requested = self.interrupted = False
-        self._previous: dict[int, object] = {}
-
-    def _record(self, signum: int, frame: types.FrameType | None) -> None:
-        del frame
-        if signum == signal.SIGINT and self.interrupted:
-            raise KeyboardInterrupt
-        self.requested = True
-        self.interrupted |= signum == signal.SIGINT
-
-    def __enter__(self) -> "_StopRequests":
-        if threading.current_thread() is threading.main_thread():
-            for signum in _STOP_SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._record)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
 
 
 class _Workers:
@@ -120,7 +92,8 @@ def run_pinned(fn: Callable, jobs: Sequence[tuple], workers: int) -> list:
     for group in cpu_groups(workers):
         groups.put(group)
     pool_workers = _Workers(pids)
-    with _StopRequests() as stop:
+    watch = PreemptionWatch(0)  # SIGTERM and a first Ctrl-C only recorded; a second one raises
+    try:
         # Workers inherit the blocked signals and unblock them once they can record them:
         # a signal while one is still starting would otherwise kill it (and the pool).
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
@@ -134,7 +107,8 @@ def run_pinned(fn: Callable, jobs: Sequence[tuple], workers: int) -> list:
         try:
             while pending:
                 done, pending = wait(pending, timeout=0.2)
-                if not stopping and (stop.requested or any(_unfinished(f, False) for f in done)):
+                if not stopping and (watch.should_stop(0)
+                                     or any(_unfinished(f, False) for f in done)):
                     stopping_event.set()  # no worker starts another job
                     stopping = True
                 if stopping:  # running jobs checkpoint and stop (workers reporting late too)
@@ -144,12 +118,14 @@ def run_pinned(fn: Callable, jobs: Sequence[tuple], workers: int) -> list:
             raise
         finally:
             pool.shutdown(wait=True)
+    finally:
+        watch.close()
     unfinished = [f for f in futures if _unfinished(f, stopping)]
     errors = [f.exception() for f in futures if f not in unfinished and f.exception()]
     if errors:
         raise errors[0]
     if unfinished:
-        interrupted = stop.interrupted or any(
+        interrupted = watch.interrupted or any(
             isinstance(f.exception(), Stopped) and f.exception().interrupted for f in unfinished)
         raise Stopped(f"stopped on request with {len(unfinished)} of {len(jobs)} runs "
                       "unfinished (each one started saved a checkpoint); rerun the same command "
