@@ -9,7 +9,6 @@ leaves no stale lock behind. The file records who holds it, for the error messag
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import socket
@@ -17,6 +16,7 @@ import time
 
 from absl import logging
 
+from postnorm.data.files import lock_exclusively
 from postnorm.run_config import WorkdirError
 
 LOCK_NAME = ".train.lock"
@@ -41,16 +41,13 @@ class WorkdirLock:
                 "that can be created and written (no parent path may be a regular file; check "
                 "permissions and free space).") from err
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            lock_exclusively(fd, self.path, wait=False)
         except BlockingIOError:
             os.close(fd)
             raise WorkdirError(
                 f"{self.workdir} is in use by another training run ({self._holder()}; lock "
                 f"{self.path}). Wait for that run to finish or stop it, or use another "
                 "--workdir.") from None
-        except OSError as err:  # a filesystem without locks (some network mounts)
-            logging.warning("cannot lock %s (%s): nothing stops a second run from training in "
-                            "this workdir at the same time", self.path, err)
         self._fd = fd
         holder = {"pid": os.getpid(), "host": socket.gethostname(),
                   "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}

@@ -45,6 +45,19 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
     write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
+def lock_exclusively(fd: int, path: str, *, wait: bool) -> None:
+    """Takes an exclusive ``flock`` on ``fd`` (the open file ``path``); the kernel drops it
+    when the holder ends in any way. Without ``wait``, BlockingIOError when another process
+    holds it. On a filesystem without locks (some network mounts) it warns and returns."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        raise
+    except OSError as e:
+        logging.warning("cannot lock %s (%s): nothing keeps another process from using the "
+                        "same files at the same time", path, e)
+
+
 @contextlib.contextmanager
 def preparing(directory: str, purpose: str, *, create: bool) -> Iterator[None]:
     """Holds an exclusive lock on ``<directory>/.prepare.lock`` for the body, waiting for
@@ -64,13 +77,10 @@ def preparing(directory: str, purpose: str, *, create: bool) -> Iterator[None]:
         return
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            lock_exclusively(fd, path, wait=False)
         except BlockingIOError:
             logging.info("waiting for another process preparing %s in %s", purpose, directory)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError as e:  # a filesystem without locks (some network mounts)
-            logging.warning("cannot lock %s (%s): processes starting together may prepare %s "
-                            "at the same time", path, e, purpose)
+            lock_exclusively(fd, path, wait=True)
         yield
     finally:
         os.close(fd)
