@@ -14,7 +14,6 @@ final checkpoint on.
 """
 
 import itertools
-import json
 
 import numpy as np
 from absl import app, flags
@@ -23,6 +22,7 @@ from ml_collections import config_flags
 from postnorm.config_args import parse_flags
 from postnorm.data import load_data
 from postnorm.data.lfreq import frequency_floor
+from postnorm.json_numbers import dumps
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Config whose data is read.")
 flags.DEFINE_list("seeds", ["0"], "Data-order seeds.")
@@ -57,7 +57,7 @@ def main(argv: list[str]) -> None:
             "min": float(floors_S.min()), "max": float(floors_S.max()),
             "last_logged_steps": sorted(last_logged),
             "mean_last_logged": float(floors_S[[s - 1 for s in last_logged]].mean())}
-    print(json.dumps(out, indent=2))
+    print(dumps(out, indent=2))
 
 
 if __name__ == "__main__":

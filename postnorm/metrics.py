@@ -6,13 +6,14 @@ Only process 0 writes. Per-layer keys carry a zero-padded layer index (``layer_0
 
 import itertools
 import json
-import math
 import os
 import time
 from collections.abc import Mapping
 
 import numpy as np
 from tensorboardX import SummaryWriter
+
+from postnorm.json_numbers import as_text, from_text
 
 JSONL_NAME = "metrics.jsonl"
 
@@ -43,7 +44,7 @@ def _complete_lines(path: str) -> list[tuple[bytes, dict]]:
         if not line.endswith(b"\n") or not line.strip():
             continue
         try:
-            record = json.loads(line.decode("utf-8"))
+            record = from_text(json.loads(line.decode("utf-8")))
             if not isinstance(record, dict) or not isinstance(record.get("step"), int):
                 raise ValueError("no integer 'step'")
         except ValueError as err:  # JSONDecodeError and UnicodeDecodeError included
@@ -55,7 +56,8 @@ def _complete_lines(path: str) -> list[tuple[bytes, dict]]:
 
 
 def read_jsonl(path: str) -> list[dict]:
-    """Every complete record of a ``metrics.jsonl`` (see ``_complete_lines``)."""
+    """Every complete record of a ``metrics.jsonl`` (see ``_complete_lines``); non-finite
+    values, written as text, read back as floats."""
     return [record for _, record in _complete_lines(path)]
 
 
@@ -98,7 +100,7 @@ class MetricWriter:
         record = {"step": int(step)}
         for key, value in scalars.items():
             value = float(np.asarray(value))
-            record[key] = value if math.isfinite(value) else str(value)
+            record[key] = as_text(value)
             self._tb.add_scalar(key, value, global_step=int(step))
         self._jsonl.write(json.dumps(record) + "\n")
 

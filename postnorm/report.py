@@ -26,6 +26,7 @@ from postnorm.collapse import (
 )
 from postnorm.collapse_plots import render_collapse_figures
 from postnorm.data.files import replace_file
+from postnorm.json_numbers import from_text
 from postnorm.plots import layer_series, plot_heatmaps, read_metrics
 from postnorm.run_config import config_path, read_run_config
 
@@ -179,7 +180,7 @@ def build_report(workdir: str, fallback_config: dict | None = None,
     thm_path = os.path.join(workdir, "thm38.json")
     if os.path.exists(thm_path):
         with open(thm_path) as f:
-            parts.append(_thm38_section(json.load(f)))
+            parts.append(_thm38_section(from_text(json.load(f))))
     parts += ["<h2>Config</h2>", f"<pre>{html.escape(json.dumps(config, indent=2))}</pre>",
               "</body></html>"]
     return "\n".join(parts)

@@ -5,12 +5,12 @@
 Prints one JSON object per run directory.
 """
 
-import json
 import sys
 
 import numpy as np
 
 from postnorm.collapse import lfreq_of, loss_and_floor_at, train_loss_and_floor
+from postnorm.json_numbers import dumps
 from postnorm.metrics import MetricsFileError
 from postnorm.plots import layer_series, read_metrics
 
@@ -53,7 +53,7 @@ def summarize(workdir: str, early_layers: int = 4, tail: int = 3) -> dict:
 def main(argv: list[str]) -> None:
     for workdir in argv[1:]:
         try:
-            print(json.dumps(summarize(workdir), indent=2))
+            print(dumps(summarize(workdir), indent=2))
         except MetricsFileError as err:
             print(f"postnorm: error: {err}", file=sys.stderr)
             sys.exit(2)

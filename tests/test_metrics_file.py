@@ -1,12 +1,15 @@
 """A damaged or missing metrics.jsonl is a clear error that names the file and line and loses
 nothing; the read-only modes (plots, report) say so without creating anything."""
 
+import json
+import math
 import subprocess
 import sys
 
 import pytest
 
-from postnorm import train
+from postnorm import json_numbers, train
+from postnorm.data.files import write_json_atomic
 from postnorm.metrics import MetricsFileError, MetricWriter, read_jsonl, truncate_jsonl
 from tests.reliability_helpers import (
     REPO,
@@ -122,3 +125,26 @@ def test_a_run_that_has_not_logged_yet_is_a_one_line_error(tmp_path, module):
         f"postnorm: error: {tmp_path}/metrics.jsonl holds no logged train step yet: rerun this "
         "once the run has logged one (every train.log_every steps)")
     assert "Traceback" not in result.stderr
+
+
+def test_nonfinite_values_are_written_as_text_and_read_back_as_floats(tmp_path):
+    """JSON has no NaN or Inf: metrics.jsonl and the summaries write "nan"/"inf" text, which
+    strict JSON readers accept, and the project's readers return floats."""
+    writer = MetricWriter(str(tmp_path))
+    writer.write_scalars(1, {"train/loss": float("nan"), "a": float("inf"), "b": -float("inf"),
+                             "c": 2.5})
+    writer.close()
+    strict = {"parse_constant": lambda c: pytest.fail(f"bare {c}")}
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert json.loads(line, **strict) == {"step": 1, "train/loss": "nan", "a": "inf",
+                                          "b": "-inf", "c": 2.5}
+    (record,) = read_jsonl(str(tmp_path / "metrics.jsonl"))
+    assert math.isnan(record["train/loss"]) and record["a"] == math.inf
+    assert record["b"] == -math.inf and record["c"] == 2.5
+
+    summary = {"loss": float("nan"), "runs": [{"ratio": float("inf")}, 1.0], "name": "x"}
+    write_json_atomic(tmp_path / "summary.json", summary)
+    text = (tmp_path / "summary.json").read_text()
+    assert json.loads(text, **strict)["runs"][0]["ratio"] == "inf"
+    back = json_numbers.from_text(json.loads(text))
+    assert math.isnan(back["loss"]) and back["runs"] == [{"ratio": math.inf}, 1.0]

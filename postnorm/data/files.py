@@ -3,7 +3,6 @@ lock under which one process at a time prepares shared files."""
 
 import contextlib
 import fcntl
-import json
 import os
 import tempfile
 from collections.abc import Iterator
@@ -13,6 +12,7 @@ from typing import Any
 from absl import logging
 
 from postnorm.data.errors import DataError
+from postnorm.json_numbers import dumps
 
 
 def replace_file(path: str | os.PathLike, data: bytes) -> None:
@@ -41,8 +41,9 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    """Writes `obj` as indented JSON, atomically."""
-    write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+    """Writes `obj` as indented JSON, atomically; non-finite floats as text
+    (``postnorm.json_numbers``)."""
+    write_bytes_atomic(path, (dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
 def lock_exclusively(fd: int, path: str, *, wait: bool) -> None:
