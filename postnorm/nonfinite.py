@@ -63,7 +63,8 @@ def guard(step_fn: Callable, *, halt: bool) -> Callable:
     """Wrap ``step_fn(state, batch) -> (state, metrics, *extra)`` so that a non-finite step
     keeps the old state (and, with ``halt``, so does every step after one).
 
-    Adds ``train/skipped_steps`` to the metrics and scales ``train/lr`` by ``lr_scale``.
+    Adds ``train/skipped_steps`` and ``train/rollbacks`` to the metrics and scales ``train/lr``
+    by ``lr_scale``.
     """
 
     def guarded(state: GuardedState, batch):
@@ -77,7 +78,7 @@ def guard(step_fn: Callable, *, halt: bool) -> Callable:
             first = jnp.where(apply, 0, loop_step)
             kept = kept.replace(halted_at=jnp.where(state.halted_at > 0, state.halted_at, first))
         metrics = {**metrics, "train/lr": metrics["train/lr"] * state.lr_scale,
-                   "train/skipped_steps": kept.skipped_steps}
+                   "train/skipped_steps": kept.skipped_steps, "train/rollbacks": state.rollbacks}
         return (kept, metrics, *extra)
 
     return guarded

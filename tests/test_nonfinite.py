@@ -167,6 +167,17 @@ def test_abort_dumps_the_step_and_exits_nonzero_before_any_checkpoint_of_it(setu
 
 
 @pytest.mark.slow
+def test_abort_drops_the_records_of_the_steps_after_the_halted_one(setup, tmp_path):
+    """Step 3 is not logged (log_every 2), so the host learns of the halt from step 4's
+    metrics, after step 4's record (of the frozen state) was written: it is dropped."""
+    workdir = tmp_path / "run"
+    result = _run(setup, workdir, train__log_every=2, train__ckpt_every=8)
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "step 3 has a non-finite loss" in result.stderr
+    assert [r["step"] for r in read_records(workdir)] == [1, 2]
+
+
+@pytest.mark.slow
 def test_skip_drops_nonfinite_updates_counts_them_and_finishes(setup, tmp_path):
     workdir = tmp_path / "run"
     result = _run(setup, workdir, train__nonfinite="skip", train__ckpt_every=4)
@@ -192,6 +203,7 @@ def test_rollback_lowers_the_lr_recovers_and_a_resume_keeps_the_lower_lr(setup, 
     assert sorted(records) == list(range(1, STEPS + 1))  # the abandoned records are gone
     assert all(np.isfinite(records[s]["train/loss"]) for s in records)
     assert records[3]["train/lr"] == pytest.approx(1e-3, rel=1e-5)  # 1e30 * 1e-33
+    assert {records[s]["train/rollbacks"] for s in records} == {1}
 
     # The lr scale is checkpointed: resuming from step 4 repeats steps 5..8 exactly.
     resumed = tmp_path / "resumed"
