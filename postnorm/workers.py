@@ -16,6 +16,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 
+from absl import app
+from absl import logging as absl_logging
+
 from postnorm.preemption import PreemptionWatch, Stopped, record_stop_requests, stop_requested
 
 
@@ -29,14 +32,24 @@ def cpu_groups(workers: int, cpus: Sequence[int] | None = None) -> list[list[int
     return [cpus[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
 
 
+def check_workers(workers: int) -> None:
+    """A ``--workers`` flag outside 1 .. this process's CPUs is a usage error."""
+    available = len(os.sched_getaffinity(0))
+    if not 1 <= workers <= available:
+        raise app.UsageError(f"--workers={workers}: must be between 1 and the {available} CPUs "
+                             "available to this process")
+
+
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 
 
 _sweep_stopping = None  # in a worker: the parent's event, set once the pool is stopping
 
 
-def _start_worker(groups, pids, stopping) -> None:
+def _start_worker(groups, pids, stopping, verbosity: int) -> None:
     global _sweep_stopping
+    absl_logging.use_absl_handler()  # the parent's log lines, at its verbosity, on stderr
+    absl_logging.set_verbosity(verbosity)
     record_stop_requests()  # a signal between runs must not kill the worker (and the pool)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked since the parent spawned it
     _sweep_stopping = stopping
@@ -85,7 +98,7 @@ def run_pinned(fn: Callable, jobs: Sequence[tuple], workers: int) -> list:
     worker is asked to checkpoint and stop (SIGTERM) and starts no further job; then
     ``Stopped`` says how many runs are unfinished. A second Ctrl-C kills the workers at once.
     """
-    if workers == 1:
+    if workers == 1 or not jobs:
         return [fn(*job) for job in jobs]
     context = multiprocessing.get_context("spawn")
     groups, pids, stopping_event = context.Queue(), context.Queue(), context.Event()
@@ -99,7 +112,8 @@ def run_pinned(fn: Callable, jobs: Sequence[tuple], workers: int) -> list:
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
         try:
             pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
-                                       initargs=(groups, pids, stopping_event))
+                                       initargs=(groups, pids, stopping_event,
+                                                 absl_logging.get_verbosity()))
             futures = [pool.submit(_run_job, fn, job) for job in jobs]
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)

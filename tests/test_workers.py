@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from absl import logging
 
 from postnorm.preemption import Preempted, PreemptionWatch, Stopped
 from postnorm.workers import cpu_groups, run_pinned
@@ -156,3 +157,27 @@ def test_a_signal_while_the_workers_start_stops_cleanly(tmp_path, delay):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "postnorm: stopped on request with 4 of 4 runs unfinished" in result.stderr
     assert not list(tmp_path.glob("started_*")) and "Traceback" not in result.stderr
+
+
+def logging_job(index: int) -> int:
+    """Runs in a worker: one INFO line, as a training run logs its progress."""
+    logging.info("job %d logs its progress", index)
+    return index
+
+
+LOGGING_PARENT = """
+from absl import app
+from postnorm.workers import run_pinned
+from tests.test_workers import logging_job
+
+app.run(lambda argv: print(run_pinned(logging_job, [(0,), (1,)], 2)))
+"""
+
+
+def test_the_workers_log_at_the_parents_verbosity():
+    result = subprocess.run([sys.executable, "-c", LOGGING_PARENT], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[0, 1]" in result.stdout
+    for index in (0, 1):
+        assert f"job {index} logs its progress" in result.stderr
