@@ -36,11 +36,12 @@ from postnorm.collapse import Collapse, detect_collapse
 from postnorm.collapse_plots import plot_loss_runs, render_collapse_figures
 from postnorm.config_args import parse_flags
 from postnorm.data import load_data
-from postnorm.data.files import write_json_atomic
+from postnorm.data.files import write_bytes_atomic, write_json_atomic
+from postnorm.json_numbers import dumps, from_text
 from postnorm.plots import read_metrics
 from postnorm.run_record import run_once
 from postnorm.user_errors import exit_2_on_user_error
-from postnorm.workers import run_pinned
+from postnorm.workers import check_workers, run_pinned
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Base config (norm and seed are "
                                 "set per run).", lock_config=False)
@@ -72,7 +73,7 @@ def thm38(config: ml_collections.ConfigDict, workdir: str, train_batches: int) -
     path = os.path.join(workdir, THM38_NAME)
     if os.path.exists(path):
         with open(path) as f:
-            cached = json.load(f)
+            cached = from_text(json.load(f))
         measured_batches = cached.get("next_train_batches", {}).get("batches", 0)
         if (cached["checkpoint_step"] == config.train.steps
                 and train_batches in (0, measured_batches)):
@@ -103,7 +104,9 @@ def _fmt(value, spec: str = ".4f") -> str:
 
 
 def run_row(name: str, result: dict, collapse: Collapse | None) -> dict:
-    """One run's summary row."""
+    """One run's summary row; ``collapsed`` is None for a run that did not finish (``done``)."""
+    if result["status"] != "done":
+        collapse = None
     return {
         "run": name, "status": result["status"],
         "final_train_loss": result.get("final_train_loss"), "lfreq": result.get("lfreq"),
@@ -111,7 +114,7 @@ def run_row(name: str, result: dict, collapse: Collapse | None) -> dict:
         "final_train_floor": result.get("final_train_floor"),
         "loss_over_floor": result.get("train_loss_over_floor"),
         "eval_loss_over_floor": result.get("eval_loss_over_floor"),
-        "collapsed": bool(collapse and collapse.collapsed),
+        "collapsed": None if result["status"] != "done" else bool(collapse and collapse.collapsed),
         "collapse_step": collapse.collapse_step if collapse else None,
         "window": collapse.window if collapse else None,
         "similar_layers_step": collapse.similar_layers_step if collapse else None,
@@ -121,8 +124,29 @@ def run_row(name: str, result: dict, collapse: Collapse | None) -> dict:
         "grad_first_over_last_early": result.get("dldx_first_over_last_early_layers"),
         "grad_first_over_last_last": result.get("dldx_first_over_last_last_layer"),
         "fraction_tsim_ge_0.99_final": result.get("fraction_of_layers_tsim_ge_0.99"),
+        "skipped_steps": result.get("skipped_steps"), "rollbacks": result.get("rollbacks"),
         "train_wall_s": result["wall_s"],
     }
+
+
+def norm_summary(rows: list[dict], norms: list[str]) -> dict:
+    """Per norm placement: how many runs, how many finished (``done``) and collapsed, and the
+    mean and sd of final loss / L_freq over the finished runs; runs stopped by a non-finite
+    step are counted as ``stopped``, not averaged."""
+    out = {}
+    for norm in norms:
+        runs = [r for r in rows if r["run"].startswith(norm + "_")]
+        done = [r for r in runs if r["status"] == "done" and r["loss_over_lfreq"] is not None]
+        if not runs:
+            continue
+        ratios = [r["loss_over_lfreq"] for r in done]
+        out[norm] = {
+            "runs": len(runs), "done": len(done), "stopped": len(runs) - len(done),
+            "collapsed": sum(bool(r["collapsed"]) for r in done),
+            "loss_over_lfreq_mean": float(np.mean(ratios)) if ratios else None,
+            "loss_over_lfreq_sd": float(np.std(ratios, ddof=1)) if len(ratios) > 1 else None,
+            "loss_over_floor": [r["loss_over_floor"] for r in done]}
+    return out
 
 
 def thm38_row(name: str, record: dict) -> dict:
@@ -143,21 +167,24 @@ def thm38_row(name: str, record: dict) -> dict:
 
 
 def markdown(rows: list[dict], thm_rows: list[dict], wall: dict) -> str:
-    lines = ["| run | final train loss | L_freq | loss/L_freq | floor of those batches | "
+    lines = ["| run | status | final train loss | L_freq | loss/L_freq | floor of those batches | "
              "loss/floor | eval loss/floor | collapsed | collapse step | "
              "window | half the layers at tsim ≥ 0.99 | grad ratio across window, layers 0-3 | "
-             "last layer | grad step 1/last, layers 0-3 | last layer | train wall s |",
-             "|" + "---|" * 16]
+             "last layer | grad step 1/last, layers 0-3 | last layer | skipped steps | "
+             "train wall s |",
+             "|" + "---|" * 18]
     for r in rows:
+        collapsed = None if r["collapsed"] is None else ("yes" if r["collapsed"] else "no")
         lines.append("| " + " | ".join(_fmt(v, spec) for v, spec in (
-            (r["run"], ""), (r["final_train_loss"], ".4f"), (r["lfreq"], ".4f"),
+            (r["run"], ""), (r["status"], ""), (r["final_train_loss"], ".4f"), (r["lfreq"], ".4f"),
             (r["loss_over_lfreq"], ".3f"), (r["final_train_floor"], ".4f"),
             (r["loss_over_floor"], ".3f"), (r["eval_loss_over_floor"], ".3f"),
-            ("yes" if r["collapsed"] else "no", ""),
+            (collapsed, ""),
             (r["collapse_step"], ""), (r["window"], "d"), (r["similar_layers_step"], ""),
             (r["grad_ratio_early"], ".3g"),
             (r["grad_ratio_last"], ".3g"), (r["grad_first_over_last_early"], ".3g"),
-            (r["grad_first_over_last_last"], ".3g"), (r["train_wall_s"], ".0f"))) + " |")
+            (r["grad_first_over_last_last"], ".3g"), (r["skipped_steps"], ""),
+            (r["train_wall_s"], ".0f"))) + " |")
     if thm_rows:
         lines += ["", "Theorem 3.8 on the final checkpoints (means over the validation "
                   "sequences; eps = ||X_H - Pi_1 X_H||_F):", "",
@@ -190,6 +217,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if FLAGS.out_dir is None:
         raise app.UsageError("--out_dir is required")
+    check_workers(FLAGS.workers)
     use_allocator(FLAGS.config.runtime.allocator)  # may re-execute this command
     start = time.perf_counter()
     out_dir = os.path.abspath(FLAGS.out_dir)
@@ -212,25 +240,16 @@ def main(argv: list[str]) -> None:
         rows.append(run_row(name, result, collapse))
         if FLAGS.thm38 and result["status"] == "done":
             thm_rows.append(thm38_row(name, thm38(config, workdir, FLAGS.train_batches)))
-        logging.info("%s: %s", name, json.dumps(rows[-1]))
+        logging.info("%s: %s", name, dumps(rows[-1]))
     plot_loss_runs(all_records, os.path.join(fig_dir, "loss_vs_lfreq.png"))
     wall = {"invocation_s": time.perf_counter() - start,
             "train_sum_s": float(sum(r["train_wall_s"] for r in rows))}
-    by_norm = {norm: {
-        "runs": len(sel), "collapsed": sum(r["collapsed"] for r in sel),
-        "loss_over_lfreq_mean": float(np.mean([r["loss_over_lfreq"] for r in sel])),
-        "loss_over_lfreq_sd": float(np.std([r["loss_over_lfreq"] for r in sel], ddof=1))
-        if len(sel) > 1 else 0.0,
-        "loss_over_floor": [r["loss_over_floor"] for r in sel]}
-        for norm in FLAGS.norms
-        if (sel := [r for r in rows if r["run"].startswith(norm + "_")
-                    and r["loss_over_lfreq"] is not None])}
+    by_norm = norm_summary(rows, FLAGS.norms)
     write_json_atomic(os.path.join(out_dir, "summary.json"),
                       {"runs": rows, "by_norm": by_norm, "thm38": thm_rows, "wall": wall})
-    with open(os.path.join(out_dir, "summary.md"), "w") as f:
-        f.write(markdown(rows, thm_rows, wall))
+    write_bytes_atomic(os.path.join(out_dir, "summary.md"), markdown(rows, thm_rows, wall).encode())
     print(markdown(rows, thm_rows, wall))
-    print(json.dumps(by_norm, indent=2))
+    print(dumps(by_norm, indent=2))
 
 
 if __name__ == "__main__":

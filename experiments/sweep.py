@@ -3,38 +3,54 @@
     python -m experiments.sweep --sweep configs/sweeps/stability.py --out_dir DIR [--shard i/n]
         [--workers N] [--override key=value ...] [--report_only]
 
-Each run trains into ``DIR/<run id>`` via ``postnorm.run_record.run_once``: finished runs are
-skipped, partial ones resume from their latest checkpoint, a run stopped by a non-finite step is
-recorded as ``nonfinite`` (a diverged cell of the map). ``--shard i/n`` runs every n-th run of the
-plan starting at i, so n hosts sharing DIR split the sweep; ``--workers N`` trains a shard's runs
-in N processes pinned to disjoint CPU sets of the host (``postnorm.workers``). Every invocation
-then rewrites the table and the map from all finished runs found in DIR:
+Every run's config is built and validated before the first run starts; a bad sweep file or
+field stops the command with exit 2 and one line naming the run. Each run trains into
+``DIR/<run id>`` via ``postnorm.run_record.run_once``: finished runs are skipped, partial ones
+resume from their latest checkpoint, a run stopped by a non-finite step is recorded as
+``nonfinite`` (a diverged cell of the map). Run ids name the fields the sweep varies, so
+dropping a value or varying one more field renames runs; a renamed run whose directory does
+not exist yet uses the directory in DIR that holds a run of its config. ``--shard i/n`` runs
+every n-th run of the plan starting at i, so n hosts sharing DIR split the sweep; ``--workers
+N`` trains a shard's runs in N processes pinned to disjoint CPU sets of the host
+(``postnorm.workers``). Every invocation then rewrites the table and the map from all finished
+runs found in DIR:
 
-* ``summary.json`` / ``summary.md``: per run its swept and ``--override`` fields as its
-  config.json has them, the status, final train loss (mean of the last three logged steps),
-  L_freq, collapsed yes/no and collapse step (``postnorm.collapse``). ``--override`` may not set
+* ``summary.json`` / ``summary.md``: per run its id, its swept and ``--override`` fields as its
+  config.json has them, the status (``stale`` for a result of another config than the sweep
+  now plans, as ``--report_only`` can find), final train loss (mean of the last three logged
+  steps), L_freq, collapsed yes/no and collapse step (``postnorm.collapse``; finished runs
+  only), the steps skipped as non-finite (``train.nonfinite=skip``), the rollbacks, and the
+  training time over all of the run's invocations. ``--override`` may not set
   a field the run ids name (those the sweep varies; all its fields if it varies none);
 * ``stability_map.png``: per norm placement a depth x lr grid coloured by final loss / L_freq,
   collapsed cells marked C in a red frame, diverged cells marked x, missing ones left blank;
   drawn when the sweep varies depth and lr, and nothing but them and the norm placement.
 """
 
-import json
 import os
 
+import jax
 import matplotlib
 import ml_collections
 import numpy as np
 from absl import app, flags, logging
 
 from postnorm.allocator import use_allocator
-from postnorm.config_args import field_path, parse_flags
-from postnorm.data import load_data
-from postnorm.data.files import write_json_atomic
-from postnorm.run_config import WorkdirConfigError, config_data, read_run_config
+from postnorm.config_args import ConfigArgError, field_path, parse_flags
+from postnorm.data import DataError, load_data
+from postnorm.data.files import write_bytes_atomic, write_json_atomic
+from postnorm.json_numbers import dumps
+from postnorm.run_config import (
+    WorkdirConfigError,
+    config_data,
+    config_digest,
+    config_path,
+    read_run_config,
+)
 from postnorm.run_record import is_finished, read_result, run_logged
 from postnorm.sweep import (
     RunSpec,
+    SweepError,
     build_config,
     id_keys,
     parse_shard,
@@ -43,7 +59,8 @@ from postnorm.sweep import (
     varying_keys,
 )
 from postnorm.user_errors import exit_2_on_user_error
-from postnorm.workers import run_pinned
+from postnorm.validation import ConfigError, check_config
+from postnorm.workers import check_workers, run_pinned
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -86,18 +103,25 @@ def varied_fields(specs: list[RunSpec]) -> list[str]:
     return [field_path(k) for k in varying_keys([dict(s.overrides) for s in specs])]
 
 
-def table_row(spec: RunSpec, config: dict, result: dict | None, fields: list[str]) -> dict:
+def table_row(spec: RunSpec, config: dict, result: dict | None, fields: list[str],
+              digest: str) -> dict:
     """One row of the summary table: the run's ``fields`` (dotted paths) from ``config``, and
-    its result; ``status`` is ``missing`` for runs not finished yet."""
+    its result. ``status`` is ``missing`` for runs not finished yet, and ``stale`` for a result
+    of another config than the planned one (``digest``; the sweep changed since it ran).
+    ``collapsed`` is given for ``done`` runs only: a stopped run has no final state to judge."""
     row = {"run_id": spec.run_id, **{path: field_value(config, path) for path in fields},
            "status": "missing"}
     if result is None:
         return row
     collapse = result.get("collapse") or {}
-    row.update(status=result["status"], final_train_loss=result.get("final_train_loss"),
+    done = result["status"] == "done"
+    row.update(status=result["status"] if result.get("config_digest") == digest else "stale",
+               final_train_loss=result.get("final_train_loss"),
                lfreq=result.get("lfreq"), loss_over_lfreq=result.get("train_loss_over_lfreq"),
                loss_over_floor=result.get("train_loss_over_floor"),
-               collapsed=collapse.get("collapsed"), collapse_step=collapse.get("collapse_step"),
+               collapsed=collapse.get("collapsed") if done else None,
+               collapse_step=collapse.get("collapse_step") if done else None,
+               skipped_steps=result.get("skipped_steps"), rollbacks=result.get("rollbacks"),
                wall_s=result.get("wall_s"))
     return row
 
@@ -110,12 +134,19 @@ def markdown(rows: list[dict], keys: list[str]) -> str:
             return "yes" if value else "no"
         return f"{value:.4g}" if isinstance(value, float) else str(value)
 
-    columns = keys + ["status", "final_train_loss", "lfreq", "loss_over_lfreq",
-                      "loss_over_floor", "collapsed",
-                      "collapse_step", "wall_s"]
+    columns = ["run_id", *keys, "status", "final_train_loss", "lfreq", "loss_over_lfreq",
+               "loss_over_floor", "collapsed", "collapse_step", "skipped_steps", "rollbacks",
+               "wall_s"]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(fmt(row.get(c)) for c in columns) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def colour_range(rows: list[dict]) -> tuple[float, float]:
+    """The map's colour range: the finite final loss / L_freq of the ``done`` runs."""
+    ratios = [r["loss_over_lfreq"] for r in rows if r["status"] == "done"
+              and r.get("loss_over_lfreq") is not None and np.isfinite(r["loss_over_lfreq"])]
+    return (min(ratios), max(ratios)) if ratios else (0.0, 1.0)
 
 
 def stability_map(rows: list[dict], path: str, axes: tuple[str, str, str] = MAP_AXES) -> str:
@@ -124,8 +155,7 @@ def stability_map(rows: list[dict], path: str, axes: tuple[str, str, str] = MAP_
     row_vals = sorted({r[row_key] for r in rows})
     col_vals = sorted({r[col_key] for r in rows})
     panels = sorted({r[panel_key] for r in rows})
-    ratios = [r["loss_over_lfreq"] for r in rows if r.get("loss_over_lfreq") is not None]
-    vmin, vmax = (min(ratios), max(ratios)) if ratios else (0.0, 1.0)
+    vmin, vmax = colour_range(rows)
     fig, axs = plt.subplots(1, len(panels), figsize=(4.2 * len(panels) + 1, 3.8), squeeze=False)
     for ax, panel in zip(axs[0], panels, strict=True):
         grid = np.full((len(row_vals), len(col_vals)), np.nan)
@@ -137,7 +167,8 @@ def stability_map(rows: list[dict], path: str, axes: tuple[str, str, str] = MAP_
             label = {"nonfinite": "x", "missing": ""}.get(r["status"], "")
             dark = False
             if r["status"] == "done":
-                label = f"{grid[i, j]:.3f}" + ("\nC" if r.get("collapsed") else "")
+                label = (f"{grid[i, j]:.3f}" + ("\nC" if r.get("collapsed") else "")
+                         + (f"\n{r['skipped_steps']} skipped" if r.get("skipped_steps") else ""))
                 dark = (grid[i, j] - vmin) / max(vmax - vmin, 1e-12) > 0.5  # viridis_r
             if r.get("collapsed"):
                 ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, ec="red", lw=2))
@@ -152,20 +183,69 @@ def stability_map(rows: list[dict], path: str, axes: tuple[str, str, str] = MAP_
         ax.set_title(f"{panel_key} = {panel}", fontsize=10)
     fig.colorbar(image, ax=axs[0].tolist(), label="final train loss / L_freq")
     fig.suptitle("C (red frame): collapsed by the postnorm.collapse rule; x: stopped by a "
-                 "non-finite step; blank: not run yet", fontsize=9)
+                 "non-finite step; 'k skipped': non-finite steps skipped; blank: not run yet "
+                 "(or run with another config)", fontsize=9)
     fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path
 
 
-def run_sweep(base_config: str, specs: list[RunSpec], out_dir: str,
-              extra: dict[str, str], workers: int = 1) -> None:
+def planned_configs(base_config: str, specs: list[RunSpec],
+                    extra: dict[str, str]) -> list[ml_collections.ConfigDict]:
+    """Every run's config, each validated (``check_config``) before any run starts; an error
+    names the run. Two runs of the same config are refused (e.g. ``lr=1`` and ``lr=1.0``)."""
+    configs, seen = [], {}
+    for number, spec in enumerate(specs, 1):
+        try:
+            config = build_config(base_config, spec, extra)
+            check_config(config, device_count=jax.device_count(),
+                         process_count=jax.process_count())
+        except (ConfigArgError, ConfigError, DataError) as err:
+            raise SweepError(f"sweep run {number}/{len(specs)} ({spec.run_id}): {err}") from err
+        if (twin := seen.setdefault(config_digest(config), spec.run_id)) != spec.run_id:
+            raise SweepError(f"sweep runs {twin} and {spec.run_id} have the same config: "
+                             "drop one of them from the sweep")
+        configs.append(config)
+    return configs
+
+
+def run_workdirs(out_dir: str, specs: list[RunSpec],
+                 configs: list[ml_collections.ConfigDict]) -> list[str]:
+    """Each run's workdir: ``out_dir/<run id>``, unless that has no run yet while another
+    directory of ``out_dir`` holds one of the same config: run ids name only what the sweep
+    varies, so dropping a value or varying one more field renames the runs, and the renamed
+    runs use the directories they already have."""
+    planned = [os.path.join(out_dir, spec.run_id) for spec in specs]
+    ids = {spec.run_id for spec in specs}
+    others = {}
+    for name in sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []:
+        path = os.path.join(out_dir, name)
+        if name in ids or not os.path.isdir(path):
+            continue
+        try:
+            recorded = read_run_config(path)
+        except WorkdirConfigError:
+            continue
+        if recorded is not None:
+            others.setdefault(config_digest(recorded), path)
+    workdirs = []
+    for spec, path, config in zip(specs, planned, configs, strict=True):
+        earlier = others.get(config_digest(config))
+        if earlier and not os.path.exists(config_path(path)):
+            logging.info("run %s: its config ran as %s (the sweep's run ids changed); using "
+                         "that directory", spec.run_id, earlier)
+            path = earlier
+        workdirs.append(path)
+    return workdirs
+
+
+def run_sweep(specs: list[RunSpec], configs: list[ml_collections.ConfigDict],
+              workdirs: list[str], workers: int = 1) -> None:
     """Train (or skip) every run of ``specs``: in order, or in ``workers`` pinned processes,
     which take the runs with the most layer-steps first so that no long run starts last."""
     jobs = []
-    for number, spec in enumerate(specs, 1):
-        config = build_config(base_config, spec, extra)
-        workdir = os.path.join(out_dir, spec.run_id)
+    for number, (spec, config, workdir) in enumerate(zip(specs, configs, workdirs, strict=True),
+                                                     1):
         label = f"run {number}/{len(specs)} {spec.run_id}"
         if is_finished(workdir, config):
             logging.info("%s: already finished", label)
@@ -185,15 +265,17 @@ def write_summary(base_config: str, specs: list[RunSpec], out_dir: str,
     axes as the run's own config.json has them (as planned for runs not started)."""
     fields = list(dict.fromkeys([field_path(k) for k, _ in specs[0].overrides]
                                 + [field_path(k) for k in extra] + list(MAP_AXES)))
+    configs = [build_config(base_config, spec, extra) for spec in specs]
     rows = []
-    for spec in specs:
-        workdir = os.path.join(out_dir, spec.run_id)
-        config = recorded_or_planned_config(workdir, build_config(base_config, spec, extra))
-        rows.append(table_row(spec, config, read_result(workdir), fields))
+    for spec, planned, workdir in zip(specs, configs, run_workdirs(out_dir, specs, configs),
+                                      strict=True):
+        config = recorded_or_planned_config(workdir, planned)
+        rows.append(table_row(spec, config, read_result(workdir), fields,
+                              config_digest(planned)))
+        rows[-1]["workdir"] = os.path.relpath(workdir, out_dir)
     keys = [k for k in fields if len({str(row[k]) for row in rows}) > 1]
     write_json_atomic(os.path.join(out_dir, "summary.json"), rows)
-    with open(os.path.join(out_dir, "summary.md"), "w") as f:
-        f.write(markdown(rows, keys))
+    write_bytes_atomic(os.path.join(out_dir, "summary.md"), markdown(rows, keys).encode())
     map_path = os.path.join(out_dir, "stability_map.png")
     varied = set(varied_fields(specs))
     if set(MAP_AXES[:2]) <= varied <= set(MAP_AXES):
@@ -231,16 +313,23 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if FLAGS.sweep is None or FLAGS.out_dir is None:
         raise app.UsageError("--sweep and --out_dir are required")
+    if bad := [item for item in FLAGS.override if "=" not in item]:
+        raise app.UsageError(f"--override {bad}: expected key=value, e.g. train.steps=20")
+    check_workers(FLAGS.workers)
     base_config, specs = plan_file(FLAGS.sweep)
     index, count = parse_shard(FLAGS.shard)
     extra = dict(item.split("=", 1) for item in FLAGS.override)
     check_overrides(specs, extra)
+    configs = planned_configs(base_config, specs, extra)
     use_allocator(process_allocator(base_config, specs, extra))  # may re-execute this command
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     if not FLAGS.report_only:
-        run_sweep(base_config, shard(specs, index, count), FLAGS.out_dir, extra, FLAGS.workers)
+        workdirs = run_workdirs(FLAGS.out_dir, specs, configs)
+        mine = shard(list(range(len(specs))), index, count)
+        run_sweep([specs[i] for i in mine], [configs[i] for i in mine],
+                  [workdirs[i] for i in mine], FLAGS.workers)
     rows = write_summary(base_config, specs, FLAGS.out_dir, extra)
-    print(json.dumps(rows, indent=1))
+    print(dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

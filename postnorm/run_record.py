@@ -20,13 +20,16 @@ from absl import logging
 
 from postnorm.collapse import DEFAULT_RULE, CollapseRule, detect_collapse
 from postnorm.data.files import write_json_atomic
+from postnorm.json_numbers import from_text
 from postnorm.nonfinite import NonFiniteError
 from postnorm.plots import read_metrics
+from postnorm.preemption import Stopped
 from postnorm.run_config import check_run_config, config_digest, latest_checkpoint_step
 from postnorm.run_summary import summarize
 from postnorm.train import train_and_evaluate
 
 RESULT_NAME = "result.json"
+WALL_TIME_NAME = "wall_time.json"
 TrainFn = Callable[[ml_collections.ConfigDict, str], object]
 
 
@@ -35,7 +38,7 @@ def read_result(workdir: str) -> dict | None:
     if not os.path.exists(path):
         return None
     with open(path) as f:
-        return json.load(f)
+        return from_text(json.load(f))
 
 
 def is_finished(workdir: str, config: ml_collections.ConfigDict) -> bool:
@@ -54,9 +57,23 @@ def run_metrics_summary(workdir: str, rule: CollapseRule = DEFAULT_RULE) -> dict
     out: dict = summarize(workdir, early_layers=rule.early_layers)
     if any(k.startswith("diag/tsim_attn/") for r in records for k in r):
         out["collapse"] = detect_collapse(records, rule).to_json()
-    skipped = [r["train/skipped_steps"] for r in records if "train/skipped_steps" in r]
-    out["skipped_steps"] = int(skipped[-1]) if skipped else 0
+    for key in ("skipped_steps", "rollbacks"):
+        values = [r[f"train/{key}"] for r in records if f"train/{key}" in r]
+        out[key] = int(values[-1]) if values else 0
     return out
+
+
+def _add_wall_time(workdir: str, seconds: float) -> float:
+    """Adds ``seconds`` to the training time the run has spent over all its invocations
+    (``<workdir>/wall_time.json``; preempted ones included) and returns the total."""
+    path = os.path.join(workdir, WALL_TIME_NAME)
+    total = 0.0
+    if os.path.exists(path):
+        with open(path) as f:
+            total = float(json.load(f)["train_s"])
+    total += seconds
+    write_json_atomic(path, {"train_s": total})
+    return total
 
 
 def run_once(config: ml_collections.ConfigDict, workdir: str, *,
@@ -65,6 +82,7 @@ def run_once(config: ml_collections.ConfigDict, workdir: str, *,
 
     ``train_fn(config, workdir)`` trains and resumes (``postnorm.train.train_and_evaluate``).
     ``Preempted`` and every error other than ``NonFiniteError`` propagate without a record.
+    ``wall_s`` is the training time of every invocation of the run, interrupted ones included.
     """
     if is_finished(workdir, config):
         return read_result(workdir)
@@ -77,6 +95,10 @@ def run_once(config: ml_collections.ConfigDict, workdir: str, *,
         train_fn(config, workdir)
     except NonFiniteError as err:
         status, error = "nonfinite", str(err)
+    except Stopped:  # a preempted invocation's time counts too
+        _add_wall_time(workdir, time.perf_counter() - start)
+        raise
+    wall_s = _add_wall_time(workdir, time.perf_counter() - start)
     result = {
         "workdir": os.path.abspath(workdir),
         "status": status,
@@ -84,7 +106,7 @@ def run_once(config: ml_collections.ConfigDict, workdir: str, *,
         "config_digest": config_digest(config),
         "train_steps": config.train.steps,
         "resumed_from_step": resumed_from,
-        "wall_s": time.perf_counter() - start,
+        "wall_s": wall_s,
         "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     if os.path.exists(os.path.join(workdir, "metrics.jsonl")):

@@ -12,10 +12,11 @@ from postnorm.data import DataError
 from postnorm.metrics import MetricsFileError
 from postnorm.preemption import Stopped
 from postnorm.run_config import WorkdirError
+from postnorm.sweep import SweepError
 from postnorm.validation import ConfigError
 
 USER_ERRORS = (ConfigError, AllocatorError, CompilationCacheError, DataError, CheckpointError,
-               WorkdirError, MetricsFileError)
+               WorkdirError, MetricsFileError, SweepError)
 
 
 def exit_2_on_user_error(main: Callable[[list[str]], None]) -> Callable[[list[str]], None]:

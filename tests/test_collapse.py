@@ -1,10 +1,14 @@
 """The collapse rule (postnorm.collapse) on synthetic metric records with a known answer."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 from postnorm.collapse import CollapseRule, detect_collapse
 from postnorm.metrics import layer_key
+from tests.reliability_helpers import REPO
 
 LFREQ = 5.0
 INSTANT = CollapseRule(loss_smoothing=1)  # the loss of the step itself, no averaging
@@ -143,3 +147,43 @@ def test_the_loss_is_the_mean_of_the_last_three_logged_by_default():
 def test_no_diagnostics_is_an_error():
     with pytest.raises(ValueError, match="tsim_attn"):
         detect_collapse([{"step": 1, "train/loss": 5.0, "train/lfreq": LFREQ}])
+
+
+STOPPED_RUNS_CHECK = """
+import math
+from experiments.collapse import markdown, norm_summary, run_row
+from postnorm.collapse import Collapse
+
+def result(status, ratio):
+    return {"status": status, "final_train_loss": ratio * 5.0, "lfreq": 5.0,
+            "train_loss_over_lfreq": ratio, "train_loss_over_floor": ratio, "wall_s": 1.0,
+            "skipped_steps": 0, "rollbacks": 0}
+
+collapsed = Collapse(collapsed=True, collapse_step=40, onset_step=30, first_hit_step=30,
+                     similar_layers_step=30, pre_window_step=20, grad_ratio_early=None,
+                     grad_ratio_last=None, diag_steps=[], fraction_collapsed=[],
+                     meets_criterion=[])
+rows = [run_row("post_seed0", result("done", 1.01), collapsed),
+        run_row("post_seed1", result("nonfinite", math.nan), collapsed),
+        run_row("post_seed2", result("done", 1.03), collapsed),
+        run_row("pre_seed0", result("nonfinite", math.nan), None)]
+assert [r["collapsed"] for r in rows] == [True, None, True, None], rows
+summary = norm_summary(rows, ["post", "pre"])
+post, pre = summary["post"], summary["pre"]
+assert (post["runs"], post["done"], post["stopped"], post["collapsed"]) == (3, 2, 1, 2)
+assert math.isclose(post["loss_over_lfreq_mean"], 1.02)
+assert (pre["runs"], pre["done"], pre["stopped"]) == (1, 0, 1)
+assert pre["loss_over_lfreq_mean"] is None and pre["collapsed"] == 0
+table = markdown(rows, [], {"invocation_s": 1.0, "train_sum_s": 4.0})
+assert "| post_seed1 | nonfinite | nan |" in table and "| – | – |" in table, table
+print("ok")
+"""
+
+
+def test_the_collapse_summary_counts_stopped_runs_apart_from_the_means():
+    """Runs stopped by a non-finite step are neither averaged into loss / L_freq nor judged
+    (not) collapsed. Run in a subprocess: experiments.collapse defines absl flags that
+    experiments.sweep (imported by other tests) defines too."""
+    result = subprocess.run([sys.executable, "-c", STOPPED_RUNS_CHECK], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

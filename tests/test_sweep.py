@@ -3,9 +3,11 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -13,9 +15,10 @@ from absl import app
 
 from configs.default import get_config
 from experiments import sweep as sweep_cli
-from postnorm import run_config, run_record, sweep
+from postnorm import json_numbers, run_config, run_record, sweep
 from postnorm.metrics import layer_key
 from postnorm.nonfinite import NonFiniteError
+from postnorm.preemption import Preempted
 from postnorm.train import train_and_evaluate
 from tests.reliability_helpers import REPO
 
@@ -68,8 +71,10 @@ class RecordingTrainer:
     """Stands in for train_and_evaluate: records its calls and leaves what the trainer leaves
     (config.json, metrics.jsonl, checkpoints/<step>/), stopping early when ``stop_at`` is set."""
 
-    def __init__(self, stop_at: int | None = None, nonfinite: bool = False):
+    def __init__(self, stop_at: int | None = None, nonfinite: bool = False,
+                 losses: list[float] | None = None):
         self.calls, self.stop_at, self.nonfinite = [], stop_at, nonfinite
+        self.losses = losses  # per step, from step 1; NaN counts as a skipped step
 
     def __call__(self, config, workdir):
         self.calls.append(workdir)
@@ -78,10 +83,13 @@ class RecordingTrainer:
         last = self.stop_at or config.train.steps
         with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
             for step in range(1, last + 1):
-                record = {"step": step, "train/loss": 9.0 / step + 5.0, "train/lfreq": 5.0}
+                loss = self.losses[step - 1] if self.losses else 9.0 / step + 5.0
+                record = {"step": step, "train/loss": loss, "train/lfreq": 5.0}
+                if self.losses:
+                    record["train/skipped_steps"] = int(np.isnan(self.losses[:step]).sum())
                 for layer in range(config.model.n_layers):
                     record[layer_key("diag/tsim_attn", layer, config.model.n_layers)] = 0.5
-                f.write(json.dumps(record) + "\n")
+                f.write(json_numbers.dumps(record) + "\n")  # as MetricWriter writes NaN
         os.makedirs(os.path.join(workdir, "checkpoints", str(last)), exist_ok=True)
         if self.nonfinite:
             raise NonFiniteError("step 3 has a non-finite loss")
@@ -163,14 +171,16 @@ def test_summary_table_and_stability_map(tmp_path):
     for spec, row in zip(specs, rows, strict=True):
         assert {k: row[k] for k, _ in spec.overrides} == {**dict(spec.overrides),
                                                            "train.steps": 4}
-    # Without the override, the finished runs still report the 4 steps they ran.
+    # Without the override, the finished runs still report the 4 steps they ran, as stale:
+    # the sweep now plans 300 (a --report_only after the sweep changed).
     rows = sweep_cli.write_summary(base, specs, out_dir, {})
     assert [r["train.steps"] for r in rows[:4]] == [4, 4, 4, 300]
+    assert [r["status"] for r in rows[:4]] == ["stale", "stale", "stale", "missing"]
     assert rows[0]["loss_over_lfreq"] == pytest.approx((9 / 2 + 9 / 3 + 9 / 4) / 3 / 5 + 1)
     table = (tmp_path / "summary.md").read_text()
     # train.steps differs between the runs that ran (4) and those planned (300), so it is shown.
     assert table.splitlines()[0].startswith(
-        "| model.n_layers | model.norm | opt.lr | train.steps | status |")
+        "| run_id | model.n_layers | model.norm | opt.lr | train.steps | status |")
     assert len(table.splitlines()) == 2 + 18
     assert (tmp_path / "stability_map.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -278,3 +288,123 @@ def test_the_sweep_command_stops_with_exit_2_on_a_workdir_of_another_config(tmp_
     assert result.returncode == 2, result.stderr[-3000:]
     assert f"postnorm: error: {workdir} holds a run of a different config" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_run_that_skipped_steps_is_reported_with_its_skips_and_nan_loss(tmp_path):
+    """NaN losses (written as "nan", as MetricWriter does) are read back as floats: the
+    summary, result.json and the table show them and the skipped steps, not an error."""
+    base, specs = sweep.plan_file(STABILITY)
+    nan = float("nan")
+    trainers = [RecordingTrainer(), RecordingTrainer(losses=[6.0, nan, 5.5, nan]),
+                RecordingTrainer(losses=[6.0, 5.8, 5.6, 5.4])]
+    for spec, trainer in zip(specs, trainers, strict=False):
+        config = sweep.build_config(base, spec, {"train.steps": "4"})
+        run_record.run_once(config, str(tmp_path / spec.run_id), train_fn=trainer)
+    skipped = run_record.read_result(str(tmp_path / specs[1].run_id))
+    assert skipped["status"] == "done" and skipped["skipped_steps"] == 2
+    assert np.isnan(skipped["final_train_loss"])  # the mean of the last three holds a NaN
+    raw = (tmp_path / specs[1].run_id / run_record.RESULT_NAME).read_text()
+    json.loads(raw, parse_constant=lambda c: pytest.fail(f"bare {c} in result.json"))
+    rows = sweep_cli.write_summary(base, specs, str(tmp_path), {"steps": "4"})
+    assert [(r["status"], r["skipped_steps"]) for r in rows[:3]] == [
+        ("done", 0), ("done", 2), ("done", 0)]
+    assert sweep_cli.colour_range(rows) == pytest.approx(
+        sorted([rows[0]["loss_over_lfreq"], rows[2]["loss_over_lfreq"]]))
+    json.loads((tmp_path / "summary.json").read_text(),
+               parse_constant=lambda c: pytest.fail(f"bare {c} in summary.json"))
+    assert (tmp_path / "stability_map.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_colour_range_ignores_stopped_runs_whatever_their_order():
+    rows = [{"status": "nonfinite", "loss_over_lfreq": float("nan")},
+            {"status": "done", "loss_over_lfreq": 1.2},
+            {"status": "done", "loss_over_lfreq": 1.5},
+            {"status": "stale", "loss_over_lfreq": 9.0}, {"status": "missing"}]
+    assert sweep_cli.colour_range(rows) == (1.2, 1.5)
+    assert sweep_cli.colour_range(rows[:1]) == (0.0, 1.0)
+
+
+def test_wall_time_sums_every_invocation_including_a_preempted_one(tmp_path):
+    config, workdir = small_config(), str(tmp_path / "run")
+
+    def preempted(cfg, wd):
+        RecordingTrainer(stop_at=2)(cfg, wd)
+        time.sleep(0.3)
+        raise Preempted(2, wd)
+
+    with pytest.raises(Preempted):
+        run_record.run_once(config, workdir, train_fn=preempted)
+    result = run_record.run_once(config, workdir, train_fn=RecordingTrainer())
+    assert result["resumed_from_step"] == 2 and result["wall_s"] >= 0.3
+
+
+@pytest.mark.parametrize("grid, message", [
+    ([], "non-empty list"),
+    ([{"opt.lr": 1e-3}, ("opt.lr", 2e-3)], "sweep entry 1 is"),
+    ([{"opt.lr": 1e-3}, {"model.n_layers": 2}], "same keys"),
+])
+def test_a_bad_grid_is_a_sweep_error_naming_the_entry(grid, message):
+    with pytest.raises(sweep.SweepError, match=message):
+        sweep.plan(grid)
+
+
+def test_numpy_values_and_exponents_give_plain_ids():
+    specs = sweep.plan([{"opt.lr": lr} for lr in np.array([1e-3, 1e30, 1e-30])])
+    assert [s.run_id for s in specs] == ["lr=0.001", "lr=1e30", "lr=1e-30"]
+    assert type(specs[0].override("opt.lr")) is float
+    config = sweep.build_config(STABILITY_BASE, specs[0])
+    assert config.opt.lr == 1e-3
+
+
+def test_every_run_is_checked_before_any_starts_and_an_error_names_it():
+    base, specs = sweep.plan_file(STABILITY + ":smoke")
+    assert len(sweep_cli.planned_configs(base, specs, {})) == 8
+    bad = sweep.plan([{"model.norm": norm} for norm in ("post", "sandwich")])
+    with pytest.raises(sweep.SweepError,
+                       match=r"sweep run 2/2 \(norm=sandwich\): model.norm='sandwich'"):
+        sweep_cli.planned_configs(base, bad, {})
+    typo = sweep.plan([{"model.nrom": "post"}])
+    with pytest.raises(sweep.SweepError, match=r"sweep run 1/1 .*model.nrom"):
+        sweep_cli.planned_configs(base, typo, {})
+    twins = sweep.plan([{"opt.lr": lr} for lr in (1, 1.0)])
+    with pytest.raises(sweep.SweepError, match="lr=1 and lr=1.0 have the same config"):
+        sweep_cli.planned_configs(base, twins, {})
+
+
+def test_renamed_runs_use_the_directories_of_their_configs(tmp_path):
+    """Dropping an lr from a depth x lr sweep renames its runs (the lr is no longer varied):
+    they are the runs already in out_dir, found by their configs."""
+    base = STABILITY_BASE + ":layers=2,steps=4"
+    grid = [{"model.n_layers": n, "opt.lr": lr} for n in (2, 3) for lr in (1e-3, 3e-3)]
+    specs = sweep.plan(grid)
+    configs = sweep_cli.planned_configs(base, specs, {})
+    for spec, config in zip(specs, configs, strict=True):
+        run_record.run_once(config, str(tmp_path / spec.run_id), train_fn=RecordingTrainer())
+    fewer = sweep.plan([g for g in grid if g["opt.lr"] == 1e-3])
+    assert [s.run_id for s in fewer] == ["n_layers=2", "n_layers=3"]
+    fewer_configs = sweep_cli.planned_configs(base, fewer, {})
+    workdirs = sweep_cli.run_workdirs(str(tmp_path), fewer, fewer_configs)
+    assert workdirs == [str(tmp_path / f"n_layers={n}_lr=0.001") for n in (2, 3)]
+    assert all(run_record.is_finished(w, c)
+               for w, c in zip(workdirs, fewer_configs, strict=True))
+    rows = sweep_cli.write_summary(base, fewer, str(tmp_path), {})
+    assert [(r["status"], r["workdir"]) for r in rows] == [
+        ("done", "n_layers=2_lr=0.001"), ("done", "n_layers=3_lr=0.001")]
+
+
+@pytest.mark.parametrize("sweep_file, message", [
+    ("BASE_CONFIG = 'configs/default.py'\n", "does not define get_sweep"),
+    ("BASE_CONFIG = 'configs/default.py'\ndef get_sweep(arg=None):\n"
+     "    return [{'model.norm': n} for n in ('post', 'sandwich')]\n",
+     r"sweep run 2/2 \(norm=sandwich\)"),
+])
+def test_the_sweep_command_refuses_a_bad_sweep_file_in_one_line(tmp_path, sweep_file, message):
+    path = tmp_path / "my_sweep.py"
+    path.write_text(sweep_file)
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.sweep", "--sweep", str(path),
+         "--out_dir", str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True,
+        timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert re.search(f"postnorm: error: .*{message}", result.stderr)
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
