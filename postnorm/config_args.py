@@ -68,6 +68,9 @@ def set_field(config: ml_collections.ConfigDict, key: str, text: str) -> None:
         node = node[part]
     if leaf not in node:
         raise ConfigArgError(f"unknown config key {key!r}; known in this section: {sorted(node)}")
+    if isinstance(node[leaf], ml_collections.ConfigDict):
+        raise ConfigArgError(f"{key!r} is a config section, not a field: set one of its fields, "
+                             f"e.g. {path}.{sorted(node[leaf])[0]}")
     node[leaf] = _parse_value(text, node[leaf], path)
 
 

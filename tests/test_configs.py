@@ -32,6 +32,7 @@ def test_later_tokens_win():
     ("layers=2.5", "expected int"),
     ("lr=fast", "expected float"),
     ("model.tie_embeddings=maybe", "expected a boolean"),
+    ("model=3", "'model' is a config section, not a field: set one of its fields, e.g. model."),
 ])
 def test_bad_arguments_name_the_problem(arg, message):
     with pytest.raises(ValueError, match=message):
