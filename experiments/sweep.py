@@ -40,6 +40,7 @@ from postnorm.config_args import ConfigArgError, field_path, parse_flags
 from postnorm.data import DataError, load_data
 from postnorm.data.files import write_bytes_atomic, write_json_atomic
 from postnorm.json_numbers import dumps
+from postnorm.plots import save_figure
 from postnorm.run_config import (
     WorkdirConfigError,
     config_data,
@@ -185,8 +186,7 @@ def stability_map(rows: list[dict], path: str, axes: tuple[str, str, str] = MAP_
     fig.suptitle("C (red frame): collapsed by the postnorm.collapse rule; x: stopped by a "
                  "non-finite step; 'k skipped': non-finite steps skipped; blank: not run yet "
                  "(or run with another config)", fontsize=9)
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
+    save_figure(fig, path, dpi=100, bbox_inches="tight")
     return path
 
 
