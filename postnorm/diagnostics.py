@@ -107,8 +107,13 @@ def effective_rank(x_LxD: jax.Array) -> jax.Array:
 
 
 def mean_effective_rank(x_BxLxD: jax.Array) -> jax.Array:
-    """Effective rank averaged over the first ``ERANK_SEQUENCES`` sequences of the batch."""
-    return jnp.mean(jax.vmap(effective_rank)(x_BxLxD[:ERANK_SEQUENCES]))
+    """Effective rank averaged over the first ``ERANK_SEQUENCES`` sequences of the batch.
+
+    One SVD per sequence: a batched SVD on CPU waits on sub-tasks in XLA's thread pool, and
+    with the batch sharded over fsdp every device's SVD did so at once, which deadlocked a
+    pool of two threads (tests/test_train.py, the sharded diagnostic step)."""
+    count = min(ERANK_SEQUENCES, x_BxLxD.shape[0])
+    return jnp.mean(jnp.stack([effective_rank(x_BxLxD[i]) for i in range(count)]))
 
 
 @in_stats_scope

@@ -79,11 +79,11 @@ def test_sharded_step_matches_single_device():
     assert jax.device_count() == 8, "tests/conftest.py sets 8 simulated CPU devices"
     config = get_config("layers=2")
     config.model.d_model, config.model.n_heads, config.model.d_ff = 32, 4, 64
-    spec = ModelSpec.from_config(config.model, vocab_size=64, max_len=16)
+    spec = ModelSpec.from_config(config.model, vocab_size=64, max_len=32)
     tx, schedule = make_optimizer(config.opt, 10)
-    tokens = np.random.default_rng(0).integers(0, 64, size=(8, 17)).astype(np.int32)
+    tokens = np.random.default_rng(0).integers(0, 64, size=(8, 33)).astype(np.int32)
     local = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-    losses = {}
+    losses, diagnostics = {}, {}
     for name, mesh_fields, devices in (("single", (1, 1, 1), jax.devices()[:1]),
                                        ("sharded", (2, 2, 2), None)):
         config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh_fields
@@ -95,10 +95,16 @@ def test_sharded_step_matches_single_device():
         for _ in range(3):
             state, metrics = steps.train(state, batch)
             history.append(float(metrics["train/loss"]))
-        losses[name] = history
+        # The diagnostic step too: with fsdp its per-layer SVDs once deadlocked on CPU.
+        state, metrics, diagnostics[name] = steps.diag(state, batch)
+        losses[name] = [*history, float(metrics["train/loss"])]
         if name == "sharded":
             assert len(state.params["layers"]["ffn"]["w_up"].sharding.device_set) == 8
     np.testing.assert_allclose(losses["sharded"], losses["single"], rtol=1e-5)
+    assert diagnostics["sharded"].keys() == diagnostics["single"].keys()
+    for key, value in diagnostics["single"].items():
+        np.testing.assert_allclose(diagnostics["sharded"][key], value, rtol=1e-4, atol=1e-6,
+                                   err_msg=key)
 
 
 @pytest.mark.parametrize("field,value,message", [
