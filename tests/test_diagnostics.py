@@ -58,6 +58,32 @@ def test_contraction_equals_rmsnorm_vjp_on_directions_orthogonal_to_y():
     np.testing.assert_allclose(stats["y_rms_max"], rms.max(), rtol=1e-5)
 
 
+def test_contraction_with_a_vector_gain_against_numpy_and_the_jacobian():
+    """With a gain that varies by entry, c uses its RMS and c_bound its largest |entry| (the
+    two differ), per token against numpy; c_bound bounds the spectral norm of each token's
+    RMSNorm Jacobian (jax.jacfwd), and y_rms is the RMS of y."""
+    rng = np.random.default_rng(5)
+    d, eps = 16, 1e-6
+    y_BxLxD = rng.normal(size=(2, 5, d)) * rng.uniform(0.5, 4.0, size=(2, 5, 1))
+    scale = rng.uniform(0.2, 2.5, size=d).astype(np.float32)
+    stats = dg.norm_input_stats(jnp.asarray(y_BxLxD, jnp.float32), jnp.asarray(scale), eps)
+    rms = np.sqrt(np.mean(y_BxLxD**2, -1))
+    r = np.sqrt(rms**2 + eps)
+    c, c_bound = np.sqrt(np.mean(scale**2)) / r, np.abs(scale).max() / r
+    assert np.all(c_bound > 1.2 * c)  # the gain's RMS and max are far apart here
+    for key, value in (("c_mean", c.mean()), ("c_min", c.min()), ("c_bound_mean", c_bound.mean()),
+                       ("c_bound_min", c_bound.min()), ("y_rms_mean", rms.mean()),
+                       ("y_rms_max", rms.max())):
+        np.testing.assert_allclose(stats[key], value, rtol=1e-5, err_msg=key)
+    norm = RMSNorm(eps=eps)
+    for b, i in ((0, 0), (1, 3)):
+        jac = jax.jacfwd(lambda v: norm.apply({"params": {"scale": scale}}, v))(
+            jnp.asarray(y_BxLxD[b, i], jnp.float32))
+        spectral = np.linalg.svd(np.asarray(jac), compute_uv=False)[0]
+        assert spectral <= c_bound[b, i] * (1 + 1e-5)
+        assert spectral >= 0.5 * c_bound[b, i]
+
+
 def test_attention_row_stats_against_numpy_whole_and_by_row_blocks():
     """Per-row entropy, KL and TV to prefix averaging, on the full matrix and on row blocks that
     see only their causal keys (as the blocked kernel computes them), against numpy."""

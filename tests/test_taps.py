@@ -112,6 +112,74 @@ def test_every_statistic_is_finite_and_nonzero(norm):
         assert np.any(values != 0), name
 
 
+def numpy_sublayer_stats(x, f, y, scale, eps):
+    """theory.md's statistics of one sublayer in float64: input X, branch F, norm input y."""
+    def tsim(a):
+        return np.mean(np.sum(a.sum(1) ** 2, -1) / (a.shape[1] * np.sum(a**2, (1, 2))))
+
+    def erank(a):
+        sigma = np.linalg.svd(a, compute_uv=False)
+        p = sigma / sigma.sum()
+        return np.exp(-np.sum(p * np.log(p)))
+
+    rms = np.sqrt(np.mean(y**2, -1))
+    r = np.sqrt(rms**2 + eps)
+    c, c_bound = np.sqrt(np.mean(scale**2)) / r, np.abs(scale).max() / r
+    return {"tsim": tsim(x), "tsim_branch": tsim(f), "energy_ratio": np.sum(f**2) / np.sum(x**2),
+            "erank": np.mean([erank(x[b]) for b in range(min(4, len(x)))]),
+            "y_rms_mean": rms.mean(), "y_rms_max": rms.max(), "c_mean": c.mean(),
+            "c_min": c.min(), "c_bound_mean": c_bound.mean(), "c_bound_min": c_bound.min()}
+
+
+def numpy_attention_stats(x, p, n_heads):
+    """Mean entropy of causal attention rows and their KL and TV to prefix averaging."""
+    b, n, d = x.shape
+    q, k = ((x @ p[w]).reshape(b, n, n_heads, d // n_heads) for w in ("w_q", "w_k"))
+    logits = np.einsum("bihk,bjhk->bhij", q, k) / np.sqrt(d // n_heads)
+    causal = np.tril(np.ones((n, n))) > 0
+    logits = np.where(causal, logits, -np.inf)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    entropy = -np.sum(np.where(probs > 0, probs * np.log(np.where(probs > 0, probs, 1)), 0), -1)
+    row_len = np.arange(1, n + 1)
+    uniform = causal / row_len[:, None]
+    return {"attn_entropy": entropy.mean(), "attn_kl_uniform": (np.log(row_len) - entropy).mean(),
+            "attn_tv_uniform": 0.5 * np.abs(probs - uniform).sum(-1).mean()}
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_forward_statistics_match_numpy_on_the_reference_forward(norm):
+    """Every forward statistic the model returns per layer, from the X_k, F and y of the
+    hand-written forward (tests/jax_reference.py) in float64 numpy, with gains that vary by
+    entry (so the RMS and the max of the gain differ) and a trained-looking residual stream."""
+    spec, model, params, inputs, _ = setup(norm)
+    rng = np.random.default_rng(7)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, a: jnp.asarray(rng.uniform(0.3, 2.0, a.shape), a.dtype)
+        if "scale" in jax.tree_util.keystr(path) else a, params)
+    _, stats = model.apply({"params": params}, inputs, probes=zero_probes(spec.n_layers))
+    host = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    x = host["embedding"][np.asarray(inputs)]
+    for layer in range(spec.n_layers):
+        p = jax.tree.map(lambda a, layer=layer: a[layer], host["layers"])
+        for kind in ("attn", "ffn"):
+            scale = p[f"norm_{kind}"]["scale"]
+            normed = x if norm == "post" else np.asarray(ref.rms_norm(x, scale, spec.norm_eps))
+            if kind == "attn":
+                want = numpy_attention_stats(normed, p["attn"], spec.n_heads)
+                f = np.asarray(ref.attention(normed, p["attn"], spec.n_heads), np.float64)
+            else:
+                want = {}
+                f = np.asarray(ref.swiglu(normed, p["ffn"]), np.float64)
+            y = x + f if norm == "post" else x
+            want.update({f"{k}_{kind}": v for k, v in
+                         numpy_sublayer_stats(x, f, y, scale, spec.norm_eps).items()})
+            for key, value in want.items():
+                np.testing.assert_allclose(stats[key][layer], value, rtol=2e-5,
+                                           err_msg=f"{key}, layer {layer}")
+            x = np.asarray(ref.rms_norm(x + f, scale, spec.norm_eps)) if norm == "post" else x + f
+
+
 def test_blocked_kernel_gives_the_einsum_kernels_statistics():
     """Blocks of 5 query rows over n = 16 (5, 5, 5, 1): every per-layer statistic, attention
     entropy, KL and TV included, matches the materialised-probabilities kernel's (Post-Norm;
