@@ -18,24 +18,31 @@ SPEC = dict(vocab_size=40, max_len=16, n_layers=3, d_model=16, n_heads=4, d_ff=2
             positions="none")
 
 
-KERNELS = {"einsum": {}, "blocked": dict(attention="blocked", attention_block=5)}
+KERNELS = {"einsum": {}, "blocked": dict(attention="blocked", attention_block=5),
+           # as configs/default.py runs it: RoPE, blocked attention, full rematerialisation
+           "default": dict(attention="blocked", attention_block=5, positions="rope",
+                           remat="full")}
 # Both placements with the einsum kernel; the blocked kernel (which shares the placement code)
 # with Post-Norm, to keep the suite's compile time down.
 NORMS_AND_KERNELS = [("post", "einsum"), ("pre", "einsum"), ("post", "blocked")]
 
 
 def setup(norm: str, seed: int = 0, kernel: str = "einsum"):
-    spec = ModelSpec(**SPEC, norm=norm, **KERNELS[kernel])
+    spec = ModelSpec(**{**SPEC, **KERNELS[kernel]}, norm=norm)
     tokens = jax.random.randint(jax.random.key(seed + 1), (3, 17), 0, 40)
     model = Decoder(spec)
     params = nn.unbox(model.init(jax.random.key(seed), tokens[:, :-1])["params"])
     return spec, model, params, tokens[:, :-1], tokens[:, 1:]
 
 
+def rope_base(spec):
+    return spec.rope_base if spec.positions == "rope" else None
+
+
 def reference_cotangents(spec, params, inputs, targets):
     """dL/dX_k at every sublayer input and at the final hidden state, via jax.vjp."""
     maps = ref.sublayers(params, n_layers=spec.n_layers, n_heads=spec.n_heads, norm=spec.norm,
-                         eps=spec.norm_eps)
+                         eps=spec.norm_eps, rope_base=rope_base(spec))
     xs = [params["embedding"][inputs]]
     for f in maps:
         xs.append(f(xs[-1]))
@@ -54,7 +61,7 @@ def reference_cotangents(spec, params, inputs, targets):
     return cotangents
 
 
-@pytest.mark.parametrize(("norm", "kernel"), NORMS_AND_KERNELS)
+@pytest.mark.parametrize(("norm", "kernel"), [*NORMS_AND_KERNELS, ("pre", "default")])
 def test_tap_statistics_match_vjp_cotangents(norm, kernel):
     spec, model, params, inputs, targets = setup(norm, kernel=kernel)
 
@@ -131,10 +138,12 @@ def numpy_sublayer_stats(x, f, y, scale, eps):
             "c_min": c.min(), "c_bound_mean": c_bound.mean(), "c_bound_min": c_bound.min()}
 
 
-def numpy_attention_stats(x, p, n_heads):
+def numpy_attention_stats(x, p, n_heads, base):
     """Mean entropy of causal attention rows and their KL and TV to prefix averaging."""
     b, n, d = x.shape
     q, k = ((x @ p[w]).reshape(b, n, n_heads, d // n_heads) for w in ("w_q", "w_k"))
+    if base is not None:
+        q, k = (np.asarray(ref.rope(a, base), np.float64) for a in (q, k))
     logits = np.einsum("bihk,bjhk->bhij", q, k) / np.sqrt(d // n_heads)
     causal = np.tril(np.ones((n, n))) > 0
     logits = np.where(causal, logits, -np.inf)
@@ -147,12 +156,13 @@ def numpy_attention_stats(x, p, n_heads):
             "attn_tv_uniform": 0.5 * np.abs(probs - uniform).sum(-1).mean()}
 
 
-@pytest.mark.parametrize("norm", ["post", "pre"])
-def test_forward_statistics_match_numpy_on_the_reference_forward(norm):
+@pytest.mark.parametrize(("norm", "kernel"), [("post", "einsum"), ("pre", "einsum"),
+                                            ("post", "default")])
+def test_forward_statistics_match_numpy_on_the_reference_forward(norm, kernel):
     """Every forward statistic the model returns per layer, from the X_k, F and y of the
     hand-written forward (tests/jax_reference.py) in float64 numpy, with gains that vary by
     entry (so the RMS and the max of the gain differ) and a trained-looking residual stream."""
-    spec, model, params, inputs, _ = setup(norm)
+    spec, model, params, inputs, _ = setup(norm, kernel=kernel)
     rng = np.random.default_rng(7)
     params = jax.tree_util.tree_map_with_path(
         lambda path, a: jnp.asarray(rng.uniform(0.3, 2.0, a.shape), a.dtype)
@@ -166,8 +176,9 @@ def test_forward_statistics_match_numpy_on_the_reference_forward(norm):
             scale = p[f"norm_{kind}"]["scale"]
             normed = x if norm == "post" else np.asarray(ref.rms_norm(x, scale, spec.norm_eps))
             if kind == "attn":
-                want = numpy_attention_stats(normed, p["attn"], spec.n_heads)
-                f = np.asarray(ref.attention(normed, p["attn"], spec.n_heads), np.float64)
+                want = numpy_attention_stats(normed, p["attn"], spec.n_heads, rope_base(spec))
+                f = np.asarray(ref.attention(normed, p["attn"], spec.n_heads, rope_base(spec)),
+                               np.float64)
             else:
                 want = {}
                 f = np.asarray(ref.swiglu(normed, p["ffn"]), np.float64)
