@@ -158,7 +158,8 @@ def _refusal(workdir: str, recorded: dict, config: ml_collections.ConfigDict,
              else "")
     return WorkdirConfigError(
         f"{workdir} holds a run of a different config ({config_path(workdir)}): {shown}{more}. "
-        f"{allowed}; use a new --workdir for this config, or move the old run aside{added}")
+        f"{allowed}; use a new --workdir (in a sweep: a new --out_dir, or change the sweep "
+        f"back) for this config, or move the old run aside{added}")
 
 
 def check_run_config(workdir: str, config: ml_collections.ConfigDict) -> None:
