@@ -258,17 +258,18 @@ def run_sweep(specs: list[RunSpec], configs: list[ml_collections.ConfigDict],
 
 
 def write_summary(base_config: str, specs: list[RunSpec], out_dir: str,
-                  extra: dict[str, str]) -> list[dict]:
-    """Table (JSON, markdown) and map of every run of the plan found finished in ``out_dir``.
+                  extra: dict[str, str], workdirs: list[str] | None = None) -> list[dict]:
+    """Table (JSON, markdown) and map of every run of the plan found finished in ``out_dir``
+    (in ``workdirs``, default ``run_workdirs``).
 
     Each row reports the sweep's fields, the ``--override`` fields (``extra``) and the map's
     axes as the run's own config.json has them (as planned for runs not started)."""
     fields = list(dict.fromkeys([field_path(k) for k, _ in specs[0].overrides]
                                 + [field_path(k) for k in extra] + list(MAP_AXES)))
     configs = [build_config(base_config, spec, extra) for spec in specs]
+    workdirs = workdirs or run_workdirs(out_dir, specs, configs)
     rows = []
-    for spec, planned, workdir in zip(specs, configs, run_workdirs(out_dir, specs, configs),
-                                      strict=True):
+    for spec, planned, workdir in zip(specs, configs, workdirs, strict=True):
         config = recorded_or_planned_config(workdir, planned)
         rows.append(table_row(spec, config, read_result(workdir), fields,
                               config_digest(planned)))
@@ -323,12 +324,12 @@ def main(argv: list[str]) -> None:
     configs = planned_configs(base_config, specs, extra)
     use_allocator(process_allocator(base_config, specs, extra))  # may re-execute this command
     os.makedirs(FLAGS.out_dir, exist_ok=True)
+    workdirs = run_workdirs(FLAGS.out_dir, specs, configs)
     if not FLAGS.report_only:
-        workdirs = run_workdirs(FLAGS.out_dir, specs, configs)
         mine = shard(list(range(len(specs))), index, count)
         run_sweep([specs[i] for i in mine], [configs[i] for i in mine],
                   [workdirs[i] for i in mine], FLAGS.workers)
-    rows = write_summary(base_config, specs, FLAGS.out_dir, extra)
+    rows = write_summary(base_config, specs, FLAGS.out_dir, extra, workdirs)
     print(dumps(rows, indent=1))
 
 
