@@ -136,10 +136,10 @@ def norm_summary(rows: list[dict], norms: list[str]) -> dict:
     out = {}
     for norm in norms:
         runs = [r for r in rows if r["run"].startswith(norm + "_")]
-        done = [r for r in runs if r["status"] == "done" and r["loss_over_lfreq"] is not None]
+        done = [r for r in runs if r["status"] == "done"]
         if not runs:
             continue
-        ratios = [r["loss_over_lfreq"] for r in done]
+        ratios = [r["loss_over_lfreq"] for r in done if r["loss_over_lfreq"] is not None]
         out[norm] = {
             "runs": len(runs), "done": len(done), "stopped": len(runs) - len(done),
             "collapsed": sum(bool(r["collapsed"]) for r in done),

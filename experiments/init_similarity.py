@@ -29,7 +29,6 @@ Writes ``layers.csv``, ``summary.json``, ``summary.md`` and ``init_similarity.pn
 """
 
 import csv
-import json
 import os
 import resource
 import sys
@@ -46,7 +45,9 @@ from configs import default, paper
 from postnorm import theory, theory_mc
 from postnorm.allocator import use_allocator
 from postnorm.data import load_data
+from postnorm.data.files import write_json_atomic
 from postnorm.initializers import INIT_SCHEMES, embedding_init
+from postnorm.json_numbers import dumps
 from postnorm.model import ModelSpec
 
 matplotlib.use("Agg")
@@ -382,11 +383,10 @@ def main(argv: list[str]) -> None:
         "figures": {f"{norm}/{source}": fig for (norm, source), fig in figures.items()},
     }
     write_csv(os.path.join(FLAGS.out_dir, "layers.csv"), results)
-    with open(os.path.join(FLAGS.out_dir, "summary.json"), "w") as f:
-        json.dump(meta, f, indent=2)
+    write_json_atomic(os.path.join(FLAGS.out_dir, "summary.json"), meta)
     write_markdown(os.path.join(FLAGS.out_dir, "summary.md"), meta, results, figures)
     plot(os.path.join(FLAGS.out_dir, "init_similarity.png"), results)
-    print(json.dumps({"wall_s": meta["wall_s"], "peak_rss_mb": meta["peak_rss_mb"],
+    print(dumps({"wall_s": meta["wall_s"], "peak_rss_mb": meta["peak_rss_mb"],
                       "figures": meta["figures"]}, indent=1))
 
 

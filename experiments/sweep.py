@@ -8,12 +8,12 @@ field stops the command with exit 2 and one line naming the run. Each run trains
 ``DIR/<run id>`` via ``postnorm.run_record.run_once``: finished runs are skipped, partial ones
 resume from their latest checkpoint, a run stopped by a non-finite step is recorded as
 ``nonfinite`` (a diverged cell of the map). Run ids name the fields the sweep varies, so
-dropping a value or varying one more field renames runs; a renamed run whose directory does
-not exist yet uses the directory in DIR that holds a run of its config. ``--shard i/n`` runs
-every n-th run of the plan starting at i, so n hosts sharing DIR split the sweep; ``--workers
-N`` trains a shard's runs in N processes pinned to disjoint CPU sets of the host
-(``postnorm.workers``). Every invocation then rewrites the table and the map from all finished
-runs found in DIR:
+dropping a value or varying one more field renames runs; a run uses the directory in DIR
+that holds a run of its config (its own id's first), so renamed runs are not trained again.
+``--shard i/n`` runs every n-th run of the plan starting at i, so n hosts sharing DIR split
+the sweep; ``--workers N`` trains a shard's runs in N processes pinned to disjoint CPU sets of
+the host (``postnorm.workers``). Every invocation then rewrites the table and the map from all
+finished runs found in DIR:
 
 * ``summary.json`` / ``summary.md``: per run its id, its swept and ``--override`` fields as its
   config.json has them, the status (``stale`` for a result of another config than the sweep
@@ -45,7 +45,6 @@ from postnorm.run_config import (
     WorkdirConfigError,
     config_data,
     config_digest,
-    config_path,
     read_run_config,
 )
 from postnorm.run_record import is_finished, read_result, run_logged
@@ -115,8 +114,9 @@ def table_row(spec: RunSpec, config: dict, result: dict | None, fields: list[str
     if result is None:
         return row
     collapse = result.get("collapse") or {}
-    done = result["status"] == "done"
-    row.update(status=result["status"] if result.get("config_digest") == digest else "stale",
+    status = result["status"] if result.get("config_digest") == digest else "stale"
+    done = status == "done"
+    row.update(status=status,
                final_train_loss=result.get("final_train_loss"),
                lfreq=result.get("lfreq"), loss_over_lfreq=result.get("train_loss_over_lfreq"),
                loss_over_floor=result.get("train_loss_over_floor"),
@@ -171,7 +171,7 @@ def stability_map(rows: list[dict], path: str, axes: tuple[str, str, str] = MAP_
                 label = (f"{grid[i, j]:.3f}" + ("\nC" if r.get("collapsed") else "")
                          + (f"\n{r['skipped_steps']} skipped" if r.get("skipped_steps") else ""))
                 dark = (grid[i, j] - vmin) / max(vmax - vmin, 1e-12) > 0.5  # viridis_r
-            if r.get("collapsed"):
+            if r["status"] == "done" and r.get("collapsed"):
                 ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, ec="red", lw=2))
             ax.text(j, i, label, ha="center", va="center", fontsize=9,
                     color="white" if dark else "black")
@@ -209,32 +209,43 @@ def planned_configs(base_config: str, specs: list[RunSpec],
     return configs
 
 
-def run_workdirs(out_dir: str, specs: list[RunSpec],
-                 configs: list[ml_collections.ConfigDict]) -> list[str]:
-    """Each run's workdir: ``out_dir/<run id>``, unless that has no run yet while another
-    directory of ``out_dir`` holds one of the same config: run ids name only what the sweep
-    varies, so dropping a value or varying one more field renames the runs, and the renamed
-    runs use the directories they already have."""
-    planned = [os.path.join(out_dir, spec.run_id) for spec in specs]
-    ids = {spec.run_id for spec in specs}
-    others = {}
+def _recorded_digests(out_dir: str) -> dict[str, str | None]:
+    """{directory of ``out_dir``: the digest of the config it records (None: none, or one
+    that cannot be read)}."""
+    digests = {}
     for name in sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []:
         path = os.path.join(out_dir, name)
-        if name in ids or not os.path.isdir(path):
-            continue
-        try:
-            recorded = read_run_config(path)
-        except WorkdirConfigError:
-            continue
-        if recorded is not None:
-            others.setdefault(config_digest(recorded), path)
-    workdirs = []
-    for spec, path, config in zip(specs, planned, configs, strict=True):
-        earlier = others.get(config_digest(config))
-        if earlier and not os.path.exists(config_path(path)):
+        if os.path.isdir(path):
+            try:
+                recorded = read_run_config(path)
+            except WorkdirConfigError:
+                recorded = None
+            digests[path] = None if recorded is None else config_digest(recorded)
+    return digests
+
+
+def run_workdirs(out_dir: str, specs: list[RunSpec],
+                 configs: list[ml_collections.ConfigDict]) -> list[str]:
+    """Each run's workdir: the directory of ``out_dir`` that records the run's config, its own
+    ``out_dir/<run id>`` first; ``out_dir/<run id>`` when none does. Run ids name only what
+    the sweep varies, so dropping a value or varying one more field renames runs (and may give
+    a run the id an earlier run of another config had): renamed runs use the directories that
+    hold their configs. Raises ``SweepError`` when two runs would share a directory."""
+    digests = _recorded_digests(out_dir)
+    holding: dict[str, str] = {}
+    for path, digest in digests.items():
+        if digest is not None:
+            holding.setdefault(digest, path)
+    workdirs, users = [], {}
+    for spec, config in zip(specs, configs, strict=True):
+        own, digest = os.path.join(out_dir, spec.run_id), config_digest(config)
+        path = own if digests.get(own) == digest else holding.get(digest, own)
+        if path != own:
             logging.info("run %s: its config ran as %s (the sweep's run ids changed); using "
-                         "that directory", spec.run_id, earlier)
-            path = earlier
+                         "that directory", spec.run_id, path)
+        if (other := users.setdefault(path, spec.run_id)) != spec.run_id:
+            raise SweepError(f"sweep runs {other} and {spec.run_id} would both use {path}, "
+                             f"which holds a run of {other}'s config: move it aside")
         workdirs.append(path)
     return workdirs
 

@@ -10,6 +10,7 @@ A workdir whose ``config.json`` holds a different config is refused rather than 
 (``postnorm.run_config.check_run_config``).
 """
 
+import contextlib
 import json
 import os
 import time
@@ -19,11 +20,11 @@ import ml_collections
 from absl import logging
 
 from postnorm.collapse import DEFAULT_RULE, CollapseRule, detect_collapse
+from postnorm.data import DataError
 from postnorm.data.files import write_json_atomic
 from postnorm.json_numbers import from_text
 from postnorm.nonfinite import NonFiniteError
 from postnorm.plots import read_metrics
-from postnorm.preemption import Stopped
 from postnorm.run_config import check_run_config, config_digest, latest_checkpoint_step
 from postnorm.run_summary import summarize
 from postnorm.train import train_and_evaluate
@@ -63,16 +64,19 @@ def run_metrics_summary(workdir: str, rule: CollapseRule = DEFAULT_RULE) -> dict
     return out
 
 
-def _add_wall_time(workdir: str, seconds: float) -> float:
-    """Adds ``seconds`` to the training time the run has spent over all its invocations
-    (``<workdir>/wall_time.json``; preempted ones included) and returns the total."""
-    path = os.path.join(workdir, WALL_TIME_NAME)
+def _add_wall_time(workdir: str, config: ml_collections.ConfigDict, seconds: float) -> float:
+    """Adds ``seconds`` to the time ``config``'s run has spent in ``workdir`` over all its
+    invocations (``<workdir>/wall_time.json``) and returns the total; a total recorded for
+    another config (a workdir that started afresh) is not carried over."""
+    path, digest = os.path.join(workdir, WALL_TIME_NAME), config_digest(config)
     total = 0.0
     if os.path.exists(path):
         with open(path) as f:
-            total = float(json.load(f)["train_s"])
+            recorded = json.load(f)
+        if recorded.get("config_digest") == digest:
+            total = float(recorded["train_s"])
     total += seconds
-    write_json_atomic(path, {"train_s": total})
+    write_json_atomic(path, {"train_s": total, "config_digest": digest})
     return total
 
 
@@ -82,7 +86,9 @@ def run_once(config: ml_collections.ConfigDict, workdir: str, *,
 
     ``train_fn(config, workdir)`` trains and resumes (``postnorm.train.train_and_evaluate``).
     ``Preempted`` and every error other than ``NonFiniteError`` propagate without a record.
-    ``wall_s`` is the training time of every invocation of the run, interrupted ones included.
+    ``wall_s`` is the time of every invocation that trained the run, preempted and failed ones
+    included. A run stopped by a non-finite step has ``skipped_steps`` None: it stopped at the
+    first one.
     """
     if is_finished(workdir, config):
         return read_result(workdir)
@@ -95,10 +101,11 @@ def run_once(config: ml_collections.ConfigDict, workdir: str, *,
         train_fn(config, workdir)
     except NonFiniteError as err:
         status, error = "nonfinite", str(err)
-    except Stopped:  # a preempted invocation's time counts too
-        _add_wall_time(workdir, time.perf_counter() - start)
+    except BaseException:  # preempted and failed invocations count too; their error wins
+        with contextlib.suppress(DataError):
+            _add_wall_time(workdir, config, time.perf_counter() - start)
         raise
-    wall_s = _add_wall_time(workdir, time.perf_counter() - start)
+    wall_s = _add_wall_time(workdir, config, time.perf_counter() - start)
     result = {
         "workdir": os.path.abspath(workdir),
         "status": status,
@@ -112,6 +119,8 @@ def run_once(config: ml_collections.ConfigDict, workdir: str, *,
     if os.path.exists(os.path.join(workdir, "metrics.jsonl")):
         result.update(run_metrics_summary(workdir, rule))
         result["workdir"] = os.path.abspath(workdir)
+    if status == "nonfinite":  # the records after the step that stopped it were dropped
+        result["skipped_steps"] = None
     write_json_atomic(os.path.join(workdir, RESULT_NAME), result)
     return result
 

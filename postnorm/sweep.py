@@ -63,6 +63,11 @@ def _value_text(value: object) -> str:
     return repr(value) if isinstance(value, float) else str(value)
 
 
+def _id_text(value: object) -> str:
+    """A value as run ids write it: a float's exponent without its ``+`` (``1e30``)."""
+    return _value_text(value).replace("+", "") if isinstance(value, float) else str(value)
+
+
 def _plain(value: object) -> object:
     """A numpy scalar as the Python number it holds (``np.float64(1e-3)`` -> ``1e-3``)."""
     return value.item() if isinstance(value, np.generic) else value
@@ -71,8 +76,8 @@ def _plain(value: object) -> object:
 def run_id(overrides: dict[str, object], keys: list[str]) -> str:
     """``<leaf>=<value>`` of ``keys`` joined by ``_``, e.g. ``n_layers=12_norm=post_lr=0.001``
     (an exponent's ``+`` is dropped: ``lr=1e30``)."""
-    parts = [f"{key.rsplit('.', 1)[-1]}={_value_text(overrides[key])}" for key in keys]
-    return _UNSAFE.sub("-", "_".join(parts).replace("+", ""))
+    parts = [f"{key.rsplit('.', 1)[-1]}={_id_text(overrides[key])}" for key in keys]
+    return _UNSAFE.sub("-", "_".join(parts))
 
 
 def varying_keys(grid: list[dict[str, object]]) -> list[str]:

@@ -152,6 +152,7 @@ def test_a_nonfinite_run_is_recorded_and_not_retried(tmp_path):
     trainer = RecordingTrainer(stop_at=3, nonfinite=True)
     result = run_record.run_once(config, workdir, train_fn=trainer)
     assert result["status"] == "nonfinite" and "non-finite" in result["error"]
+    assert result["skipped_steps"] is None  # it stopped at its first non-finite step
     run_record.run_once(config, workdir, train_fn=trainer)
     assert len(trainer.calls) == 1
 
@@ -176,6 +177,7 @@ def test_summary_table_and_stability_map(tmp_path):
     rows = sweep_cli.write_summary(base, specs, out_dir, {})
     assert [r["train.steps"] for r in rows[:4]] == [4, 4, 4, 300]
     assert [r["status"] for r in rows[:4]] == ["stale", "stale", "stale", "missing"]
+    assert rows[0]["collapsed"] is None  # judged for done runs of the planned config only
     assert rows[0]["loss_over_lfreq"] == pytest.approx((9 / 2 + 9 / 3 + 9 / 4) / 3 / 5 + 1)
     table = (tmp_path / "summary.md").read_text()
     # train.steps differs between the runs that ran (4) and those planned (300), so it is shown.
@@ -336,6 +338,16 @@ def test_wall_time_sums_every_invocation_including_a_preempted_one(tmp_path):
         run_record.run_once(config, workdir, train_fn=preempted)
     result = run_record.run_once(config, workdir, train_fn=RecordingTrainer())
     assert result["resumed_from_step"] == 2 and result["wall_s"] >= 0.3
+    # A workdir that starts afresh with another config (no checkpoint) starts a new total.
+    other, fresh = small_config(steps=6), str(tmp_path / "fresh")
+
+    def preempted_early(cfg, wd):
+        time.sleep(0.3)
+        raise Preempted(0, wd)
+
+    with pytest.raises(Preempted):
+        run_record.run_once(config, fresh, train_fn=preempted_early)
+    assert run_record.run_once(other, fresh, train_fn=RecordingTrainer())["wall_s"] < 0.3
 
 
 @pytest.mark.parametrize("grid, message", [
@@ -351,6 +363,8 @@ def test_a_bad_grid_is_a_sweep_error_naming_the_entry(grid, message):
 def test_numpy_values_and_exponents_give_plain_ids():
     specs = sweep.plan([{"opt.lr": lr} for lr in np.array([1e-3, 1e30, 1e-30])])
     assert [s.run_id for s in specs] == ["lr=0.001", "lr=1e30", "lr=1e-30"]
+    paths = sweep.plan([{"data.text_files": p} for p in ("/d/c++/*.txt", "/d/c/*.txt")])
+    assert len({s.run_id for s in paths}) == 2
     assert type(specs[0].override("opt.lr")) is float
     config = sweep.build_config(STABILITY_BASE, specs[0])
     assert config.opt.lr == 1e-3
@@ -390,6 +404,21 @@ def test_renamed_runs_use_the_directories_of_their_configs(tmp_path):
     rows = sweep_cli.write_summary(base, fewer, str(tmp_path), {})
     assert [(r["status"], r["workdir"]) for r in rows] == [
         ("done", "n_layers=2_lr=0.001"), ("done", "n_layers=3_lr=0.001")]
+    # Train those under their new ids too, then plan the other lr alone: its ids are the
+    # same again, but the directories of those ids hold lr=0.001; the lr=0.003 runs are found.
+    for config, spec in zip(fewer_configs, fewer, strict=True):
+        run_record.run_once(config, str(tmp_path / spec.run_id), train_fn=RecordingTrainer())
+    other = sweep.plan([g for g in grid if g["opt.lr"] == 3e-3])
+    assert [s.run_id for s in other] == ["n_layers=2", "n_layers=3"]
+    workdirs = sweep_cli.run_workdirs(str(tmp_path), other,
+                                      sweep_cli.planned_configs(base, other, {}))
+    assert workdirs == [str(tmp_path / f"n_layers={n}_lr=0.003") for n in (2, 3)]
+    # A run whose own directory holds the config another run uses is refused, not shared.
+    clash = sweep.plan([{"model.n_layers": 2, "opt.lr": 1e-3, "seed": 0},
+                        {"model.n_layers": 2, "opt.lr": 3e-3, "seed": 1}])
+    os.rename(tmp_path / "n_layers=2_lr=0.001", tmp_path / clash[1].run_id)
+    with pytest.raises(sweep.SweepError, match="would both use"):
+        sweep_cli.run_workdirs(str(tmp_path), clash, sweep_cli.planned_configs(base, clash, {}))
 
 
 @pytest.mark.parametrize("sweep_file, message", [

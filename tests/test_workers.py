@@ -160,8 +160,9 @@ def test_a_signal_while_the_workers_start_stops_cleanly(tmp_path, delay):
 
 
 def logging_job(index: int) -> int:
-    """Runs in a worker: one INFO line, as a training run logs its progress."""
-    logging.info("job %d logs its progress", index)
+    """Runs in a worker: an INFO line, as a training run logs its progress, and a DEBUG one."""
+    logging.info("job %d logs progress", index)
+    logging.debug("job %d logs details", index)
     return index
 
 
@@ -174,10 +175,16 @@ app.run(lambda argv: print(run_pinned(logging_job, [(0,), (1,)], 2)))
 """
 
 
-def test_the_workers_log_at_the_parents_verbosity():
-    result = subprocess.run([sys.executable, "-c", LOGGING_PARENT], cwd=REPO,
+@pytest.mark.parametrize("verbosity, shown", [
+    ([], ["progress"]),  # absl's default under app.run: INFO
+    (["--verbosity=1"], ["progress", "details"]),
+    (["--verbosity=-1"], []),  # warnings only
+])
+def test_the_workers_log_at_the_parents_verbosity(verbosity, shown):
+    result = subprocess.run([sys.executable, "-c", LOGGING_PARENT, *verbosity], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[0, 1]" in result.stdout
     for index in (0, 1):
-        assert f"job {index} logs its progress" in result.stderr
+        for what in ("progress", "details"):
+            assert (f"job {index} logs {what}" in result.stderr) == (what in shown), what

@@ -31,12 +31,12 @@ def replace_file(path: str | os.PathLike, data: bytes) -> None:
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """``replace_file`` for a cache file; DataError naming it when it cannot be written."""
+    """``replace_file``; DataError naming the file when it cannot be written."""
     path = Path(path)
     try:
         replace_file(path, data)
     except OSError as e:
-        raise DataError(f"Cannot write the cache file {path} ({e.strerror}); make "
+        raise DataError(f"Cannot write {path} ({e.strerror}); make "
                         f"{path.parent} writable and give it free space.") from e
 
 
