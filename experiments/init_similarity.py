@@ -116,7 +116,8 @@ def run_seed(spec: ModelSpec, fns: dict, params: dict, x0_1xNxD: jax.Array,
     mean_field = theory.mean_field_recursion(x0 @ x0.T / spec.d_model, spec.n_layers, amt,
                                              spec.norm)
     t_in = mean_field.tsim_in
-    scalar = theory.scalar_recursion(float(theory.tsim(x0)), n, spec.n_layers, amt, spec.norm)
+    scalar = theory.scalar_recursion(float(theory.tsim(x0)), n, spec.n_layers, amt, spec.norm,
+                                     r0=float(np.mean(x0**2)))
     out.update(meanfield_attn=mean_field.tsim_after[:, 0],
                meanfield_ffn=mean_field.tsim_after[:, 1], meanfield_d_attn=mean_field.delta_attn,
                meanfield_d_attn_closed=theory.delta_attn(

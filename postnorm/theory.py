@@ -34,8 +34,23 @@ NORM_PLACEMENTS = ("post", "pre")
 
 # §0 -------------------------------------------------------------------------------------------
 
+def _check_n(n: int) -> None:
+    if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 2:
+        raise ValueError(f"n={n!r}: the sequence length must be an integer >= 2 (at n = 1 "
+                         "tsim is 1 and nothing changes)")
+
+
+def _check_range(name: str, value: ArrayLike, low: float, high: float = np.inf) -> None:
+    """``value`` lies in [low, high] (up to float rounding), else a ValueError naming it."""
+    v = np.asarray(value, np.float64)
+    if not np.all((v >= low - 1e-12) & (v <= high + 1e-12)):
+        raise ValueError(f"{name}={value!r} is outside [{low}, {high}]")
+
+
 def harmonic(n: int) -> float:
     """H_n = sum_{k<=n} 1/k."""
+    if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 1:
+        raise ValueError(f"n={n!r}: H_n needs an integer n >= 1")
     return float(np.sum(1.0 / np.arange(1, n + 1, dtype=np.float64)))
 
 
@@ -54,6 +69,8 @@ def tsim_of_gram(g_NxN: np.ndarray) -> np.ndarray:
 
 def ec_rho(t: ArrayLike, n: int) -> ArrayLike:
     """Correlation of the EC model with tsim t: rho = (n t - 1) / (n - 1)."""
+    _check_n(n)
+    _check_range("t", t, 0.0, 1.0)
     return (n * np.asarray(t, np.float64) - 1.0) / (n - 1.0)
 
 
@@ -61,18 +78,25 @@ def ec_rho(t: ArrayLike, n: int) -> ArrayLike:
 
 def attn_f1(t: ArrayLike, n: int) -> ArrayLike:
     """f1(t) = (1 - t)(1 + n t)(n - H_n) / (n (n - 1))  (Thm 3.2)."""
+    _check_n(n)
+    _check_range("t", t, 0.0, 1.0)
     t = np.asarray(t, np.float64)
     return (1.0 - t) * (1.0 + n * t) * (n - harmonic(n)) / (n * (n - 1.0))
 
 
 def attn_f2(t: ArrayLike, n: int) -> ArrayLike:
     """f2(t) = (n t - 1 + (1 - t) H_n) / (n - 1) = ||P X||_F^2 / ||X||_F^2 for EC X (Thm 3.2)."""
+    _check_n(n)
+    _check_range("t", t, 0.0, 1.0)
     t = np.asarray(t, np.float64)
     return (n * t - 1.0 + (1.0 - t) * harmonic(n)) / (n - 1.0)
 
 
 def delta_attn(s: ArrayLike, t: ArrayLike, n: int) -> ArrayLike:
-    """One-step tsim change of X + P X W_VO for EC X: s f1(t) / (1 + s f2(t))  (Thm 3.2)."""
+    """One-step tsim change of X + P X W_VO for EC X: s f1(t) / (1 + s f2(t))  (Thm 3.2).
+
+    ValueError for n < 2, t outside [0, 1] or s < 0 (the EC Gram is PSD for t in [0, 1])."""
+    _check_range("s", s, 0.0)
     s = np.asarray(s, np.float64)
     return s * attn_f1(t, n) / (1.0 + s * attn_f2(t, n))
 
@@ -91,6 +115,8 @@ def gate_kernel(rho: ArrayLike, a: ArrayLike, nodes: int = GATE_NODES) -> np.nda
     """
     z_K, w_K = np.polynomial.hermite_e.hermegauss(nodes)
     w_K = w_K / np.sqrt(2.0 * np.pi)
+    _check_range("rho", rho, -1.0, 1.0)
+    _check_range("a", a, 0.0)
     rho, a = np.broadcast_arrays(np.asarray(rho, np.float64), np.asarray(a, np.float64))
     rho4, a4 = rho[..., None, None], a[..., None, None]
     z1, z2 = z_K[:, None], z_K[None, :]
@@ -116,6 +142,7 @@ def delta_ffn(xi: ArrayLike, t: ArrayLike, n: int, a: ArrayLike) -> ArrayLike:
 
     xi (t - 1/n)(m(rho(t)) - m(1)) / (1 + xi m(1)),  rho(t) = (n t - 1)/(n - 1).
     """
+    _check_range("xi", xi, 0.0)
     xi, t = np.asarray(xi, np.float64), np.asarray(t, np.float64)
     m1 = gate_kernel(1.0, a)
     return xi * (t - 1.0 / n) * (gate_kernel(ec_rho(t, n), a) - m1) / (1.0 + xi * m1)
@@ -176,16 +203,18 @@ def _check_norm(norm: str) -> None:
         raise ValueError(f"norm={norm!r} is not one of {NORM_PLACEMENTS}")
 
 
-def scalar_recursion(t0: float, n: int, n_layers: int, amt: Amounts, norm: str) -> np.ndarray:
+def scalar_recursion(t0: float, n: int, n_layers: int, amt: Amounts, norm: str,
+                     r0: float = 1.0) -> np.ndarray:
     """Iterated one-step maps under the EC closure: tsim after each sublayer, [n_layers, 2].
 
     Post-Norm: t <- t + Delta_attn(s, t); t <- t + Delta_FFN(xi, t). Pre-Norm also tracks the
-    residual energy R = ||X||_F^2 / (n d): s_k = s / R, R <- R (1 + s_k f2(t)), then
-    xi_k = xi / R, R <- R (1 + xi_k m(1)). The input has RMS 1 (R = 1).
+    residual energy R = ||X||_F^2 / (n d), from the input's ``r0``: s_k = s / R,
+    R <- R (1 + s_k f2(t)), then xi_k = xi / R, R <- R (1 + xi_k m(1)).
     """
     _check_norm(norm)
+    _check_range("r0", r0, 1e-300)
     m1 = float(gate_kernel(1.0, amt.a))
-    t, r = float(t0), 1.0
+    t, r = float(t0), float(r0)
     out_Lx2 = np.empty((n_layers, 2))
     for layer in range(n_layers):
         s_k = amt.s / r
@@ -278,14 +307,18 @@ def mean_field_recursion(g0_NxN: np.ndarray, n_layers: int, amt: Amounts,
 
 # §4: Thm 3.6 -----------------------------------------------------------------------------------
 
-def rmsnorm_contraction(y_D: np.ndarray, alpha: ArrayLike = 1.0, eps: float = 0.0) -> np.ndarray:
-    """c(y, alpha) = alpha / sqrt(||y||^2 / d + eps) over the last axis (Thm 3.6).
+def rmsnorm_contraction(y_D: np.ndarray, alpha: float = 1.0, eps: float = 0.0) -> np.ndarray:
+    """c(y, alpha) = |alpha| / sqrt(||y||^2 / d + eps) over the last axis (Thm 3.6).
 
     The spectral norm of the Jacobian of z = alpha y / r(y) for a scalar gain alpha
-    (alpha sqrt(d) / ||y|| when eps = 0); c < 1 iff ||y||^2 / d > alpha^2 - eps.
+    (alpha sqrt(d) / ||y|| when eps = 0); c < 1 iff ||y||^2 / d > alpha^2 - eps. A vector
+    gain is refused: the diagnostics report its RMS and max (``postnorm.diagnostics``).
     """
+    if np.ndim(alpha) != 0:
+        raise ValueError("alpha must be a scalar gain; for a vector gain c lies between "
+                         "rms(alpha) / r and max|alpha| / r (the diagnostics' c and c_bound)")
     y = np.asarray(y_D, np.float64)
-    return np.asarray(alpha, np.float64) / np.sqrt(np.mean(y * y, -1) + eps)
+    return abs(float(alpha)) / np.sqrt(np.mean(y * y, -1) + eps)
 
 
 # §5: Thm 3.8 -----------------------------------------------------------------------------------
@@ -295,10 +328,11 @@ def frequency_loss(targets_N: np.ndarray) -> float:
     return unigram_entropy(np.bincount(np.asarray(targets_N).ravel()))
 
 
-def collapse_distance(x_NxD: np.ndarray) -> float:
-    """epsilon = ||X - Pi_1 X||_F, the distance of the hidden states from full collapse."""
+def collapse_distance(x_NxD: np.ndarray) -> np.ndarray:
+    """epsilon = ||X - Pi_1 X||_F, the distance of the hidden states from full collapse, over
+    the last two axes [..., N, D] (one value per sequence)."""
     x = np.asarray(x_NxD, np.float64)
-    return float(np.linalg.norm(x - x.mean(0, keepdims=True)))
+    return np.sqrt(np.sum((x - x.mean(-2, keepdims=True)) ** 2, (-2, -1)))
 
 
 def collapse_loss_bound(lfreq: float, w_lm_VxD: np.ndarray, eps: float, n: int) -> float:

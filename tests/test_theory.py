@@ -56,6 +56,49 @@ def test_gram_steps_on_an_ec_gram_reproduce_the_one_step_closed_forms(n):
                                        rtol=1e-10, atol=1e-15)
 
 
+@pytest.mark.parametrize("r0", [1.0, 4e-4, 3.0])
+def test_pre_norm_closure_starts_from_the_inputs_energy(r0):
+    """Pre-Norm's amount is s / R with R = ||X||^2 / (n d) of the actual input: on an EC Gram
+    of RMS sqrt(r0) the closure's first attention step is the mean-field step, Thm 3.2 at
+    s / r0 (an embedding with small entries amplifies far more than a unit-RMS one)."""
+    n, t = 16, 0.2
+    amt = theory.amounts(64, 192, "torch_default")
+    rho = theory.ec_rho(t, n)
+    g_NxN = r0 * ((1 - rho) * np.eye(n) + rho)
+    closure = theory.scalar_recursion(t, n, 1, amt, "pre", r0=r0)
+    mean_field = theory.mean_field_recursion(g_NxN, 1, amt, "pre")
+    want = t + theory.delta_attn(amt.s / r0, t, n)
+    np.testing.assert_allclose(closure[0, 0], want, rtol=1e-10)
+    np.testing.assert_allclose(mean_field.tsim_after[0, 0], want, rtol=1e-9)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: theory.delta_attn(1 / 9, 0.5, 1), "n=1"),
+    (lambda: theory.delta_attn(1 / 9, 1.5, 64), r"t=1.5 is outside \[0.0, 1.0\]"),
+    (lambda: theory.delta_attn(-0.1, 0.5, 64), r"s=-0.1 is outside"),
+    (lambda: theory.delta_ffn(-0.1, 0.5, 64, 0.5), r"xi=-0.1 is outside"),
+    (lambda: theory.delta_ffn(0.1, 0.5, 64, -0.5), r"a=-0.5 is outside"),
+    (lambda: theory.gate_kernel(1.5, 1.0), r"rho=1.5 is outside \[-1.0, 1.0\]"),
+    (lambda: theory.harmonic(2.5), "integer"),
+    (lambda: theory.rmsnorm_contraction(np.ones(4), np.ones(4)), "scalar gain"),
+])
+def test_out_of_domain_arguments_are_refused(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_domain_edges_and_batched_collapse_distance():
+    assert theory.delta_attn(1 / 9, 1.0, 64) == 0.0  # t = 1: collapse is a fixed point
+    assert theory.delta_attn(1 / 9, 0.0, 64) > 0.0  # t = 0 is a PSD EC Gram too
+    assert theory.rmsnorm_contraction(np.full(4, 2.0), -1.0) == 0.5  # |alpha|
+    rng = np.random.default_rng(0)
+    x_BxNxD = rng.normal(size=(3, 5, 4))
+    x_BxNxD[1] = x_BxNxD[1, :1]  # a collapsed sequence
+    eps_B = theory.collapse_distance(x_BxNxD)
+    np.testing.assert_allclose(eps_B, [theory.collapse_distance(x) for x in x_BxNxD])
+    assert eps_B[1] == 0.0 and eps_B[0] > 0.0
+
+
 # Thm 3.2 ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n,d,s,t,exact", [
@@ -186,6 +229,21 @@ def test_collapse_bound_holds_on_random_instances():
         cross_entropy = _cross_entropy(x_NxD @ w_VxD.T, targets)
         slack.append(cross_entropy - theory.collapse_loss_bound(lfreq, w_VxD, eps, n))
     assert min(slack) >= 0.0
+    # Adversarial: from the p_hat optimum, move every token along its own loss gradient. The
+    # loss then falls below L_freq by nearly the bound's margin: a constant 2/n in place of
+    # 2/sqrt(n) (or no eps term) fails here, where the random instances above came nowhere near.
+    targets = rng.permutation(np.arange(n) % vocab)
+    p_hat = np.bincount(targets, minlength=vocab) / n
+    w_VxD = np.linalg.qr(rng.normal(size=(d, vocab)))[0].T  # orthonormal rows: ||W||_2 = 1
+    x_mean = np.linalg.lstsq(w_VxD, np.log(p_hat), rcond=None)[0]  # softmax(W x_mean) = p_hat
+    grad_NxV = p_hat[None, :] - np.eye(vocab)[targets]  # d loss_i / d logits at x_mean
+    x_NxD = x_mean - 0.05 * grad_NxV @ w_VxD
+    eps = theory.collapse_distance(x_NxD)
+    lfreq = theory.frequency_loss(targets)
+    cross_entropy = _cross_entropy(x_NxD @ w_VxD.T, targets)
+    assert cross_entropy >= theory.collapse_loss_bound(lfreq, w_VxD, eps, n)
+    # and the instance is sharp: below L_freq by about half the bound's margin
+    assert cross_entropy - lfreq < -0.5 * np.linalg.norm(w_VxD, 2) * eps / np.sqrt(n)
     targets = rng.integers(0, vocab, n)
     p_hat = np.bincount(targets, minlength=vocab) / n
     shared = np.log(np.where(p_hat > 0, p_hat, 1e-300))
