@@ -30,6 +30,7 @@ read again.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from typing import Any
@@ -79,6 +80,20 @@ def _brief(reason: Exception | str, limit: int = 300) -> str:
     text = f"{type(reason).__name__}: {reason}" if isinstance(reason, Exception) else reason
     line = next((part.strip() for part in text.splitlines() if part.strip()), text)
     return line if len(line) <= limit else line[:limit] + " ..."
+
+
+def _damaged_json(step_dir: epath.Path) -> str:
+    """The JSON file of ``step_dir`` (the checksums, the data-iterator state) that does not
+    parse, or the step directory when each one does."""
+    for item in ("integrity", "data"):
+        for path in sorted((step_dir / item).glob("*")) if (step_dir / item).exists() else []:
+            if path.name == "commit_success.txt" or not path.is_file():
+                continue
+            try:
+                json.loads(path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                return str(path)
+    return f"a JSON file of {step_dir}"
 
 
 # How often a reader lists the steps again after one vanished under it or newer ones appeared
@@ -186,14 +201,19 @@ class CheckpointReader:
         self, step: int, abstract_state: PyTree, data_iterator: grain.DatasetIterator
     ) -> PyTree:
         """The state of `step`, verified against the checksums saved with it."""
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state),
-                data=grain.checkpoint.CheckpointRestore(data_iterator),
-                integrity=ocp.args.JsonRestore(),
-            ),
-        )
+        try:
+            restored = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state),
+                    data=grain.checkpoint.CheckpointRestore(data_iterator),
+                    integrity=ocp.args.JsonRestore(),
+                ),
+            )
+        except json.JSONDecodeError as err:  # orbax's message names no file
+            raise CheckpointError(
+                f"{_damaged_json(self.directory / str(step))} is not valid JSON ({err}): the "
+                "file is damaged") from err
         saved, actual = restored.integrity["state"], tree_checksums(restored.state)
         bad = sorted(k for k in saved.keys() | actual.keys() if saved.get(k) != actual.get(k))
         if bad:

@@ -112,6 +112,20 @@ def test_damaged_latest_falls_back_to_the_previous_step(saved, damage, caplog):
     assert restored[1] == 2 and _host(restored[0]) == _host(states[2])
 
 
+@pytest.mark.parametrize("item", ["integrity", "data"])
+def test_a_damaged_json_file_is_named_and_the_previous_step_restores(saved, item, caplog):
+    """The checksums and the data-iterator state are JSON files; orbax's error for a garbled
+    one names no file, the log line does."""
+    directory, states = saved
+    (damaged,) = [p for p in (directory / "2" / item).iterdir() if p.name != "commit_success.txt"]
+    damaged.write_text('{"state": [garbled')
+    with caplog.at_level(logging.ERROR):
+        state, step = Checkpointer(str(directory), save_every=1, keep=5).restore_latest(
+            _abstract(), _data_iter())
+    assert step == 1 and _host(state) == _host(states[1])
+    assert f"{damaged} is not valid JSON" in caplog.text
+
+
 def test_missing_checkpoint_metadata_file_is_tolerated(saved):
     directory, states = saved
     (directory / "2" / "_CHECKPOINT_METADATA").unlink()
