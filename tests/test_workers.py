@@ -58,8 +58,10 @@ def test_workers_are_pinned_to_disjoint_cpus_and_return_in_job_order():
 
 
 def preempted_or_square(x: int) -> int:
-    """Runs in a worker: job 0 stops as a preempted run does; the others return."""
+    """Runs in a worker: job 0 stops as a preempted run does, once the other jobs (instant)
+    have ended: a stop keeps jobs that have not started from starting."""
     if x == 0:
+        time.sleep(1.5)
         raise Preempted(7, "/runs/zero/checkpoints")
     return x * x
 
