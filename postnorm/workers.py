@@ -33,11 +33,11 @@ def cpu_groups(workers: int, cpus: Sequence[int] | None = None) -> list[list[int
 
 
 def check_workers(workers: int) -> None:
-    """A ``--workers`` flag outside 1 .. this process's CPUs is a usage error."""
-    available = len(os.sched_getaffinity(0))
-    if not 1 <= workers <= available:
-        raise app.UsageError(f"--workers={workers}: must be between 1 and the {available} CPUs "
-                             "available to this process")
+    """A ``--workers`` flag that ``cpu_groups`` refuses is a usage error."""
+    try:
+        cpu_groups(workers)
+    except ValueError as err:
+        raise app.UsageError(f"--{err}") from None
 
 
 _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
