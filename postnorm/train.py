@@ -254,9 +254,12 @@ def _train_loop(exp: Experiment, ckpt: Checkpointer, watch: PreemptionWatch,
                         or step % config.train.ckpt_every == 0 or step == total):
             if int(state.halted_at):  # a host sync, but evals and saves sync anyway
                 reporter.flush()
-                # the steps after the halted one froze the state: their records are dropped
-                reporter.restart(int(state.halted_at), int(state.skipped_steps))
-                state, start, data_iter = _nonfinite(exp, ckpt, state, positions, workdir)
+                halted, skipped = int(state.halted_at), int(state.skipped_steps)
+                try:
+                    state, start, data_iter = _nonfinite(exp, ckpt, state, positions, workdir)
+                except NonFiniteError:  # the steps after the halted one froze the state
+                    reporter.restart(halted, skipped)  # their records are dropped
+                    raise
                 reporter.restart(start, int(state.skipped_steps))
                 step, positions = start, {}
                 continue
