@@ -105,8 +105,8 @@ def _fmt(value, spec: str = ".4f") -> str:
 
 def run_row(name: str, result: dict, collapse: Collapse | None) -> dict:
     """One run's summary row; ``collapsed`` is None for a run that did not finish (``done``)."""
-    if result["status"] != "done":
-        collapse = None
+    done = result["status"] == "done"
+    collapse = collapse if done else None
     return {
         "run": name, "status": result["status"],
         "final_train_loss": result.get("final_train_loss"), "lfreq": result.get("lfreq"),
@@ -114,7 +114,7 @@ def run_row(name: str, result: dict, collapse: Collapse | None) -> dict:
         "final_train_floor": result.get("final_train_floor"),
         "loss_over_floor": result.get("train_loss_over_floor"),
         "eval_loss_over_floor": result.get("eval_loss_over_floor"),
-        "collapsed": None if result["status"] != "done" else bool(collapse and collapse.collapsed),
+        "collapsed": bool(collapse and collapse.collapsed) if done else None,
         "collapse_step": collapse.collapse_step if collapse else None,
         "window": collapse.window if collapse else None,
         "similar_layers_step": collapse.similar_layers_step if collapse else None,

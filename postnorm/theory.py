@@ -34,10 +34,11 @@ NORM_PLACEMENTS = ("post", "pre")
 
 # §0 -------------------------------------------------------------------------------------------
 
-def _check_n(n: int) -> None:
-    if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 2:
-        raise ValueError(f"n={n!r}: the sequence length must be an integer >= 2 (at n = 1 "
-                         "tsim is 1 and nothing changes)")
+def _check_n(n: int, low: int = 2) -> None:
+    """``n`` is an integer >= ``low`` (a sequence length: at n = 1 tsim is 1 and nothing
+    changes), else a ValueError naming it."""
+    if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < low:
+        raise ValueError(f"n={n!r}: must be an integer >= {low}")
 
 
 def _check_range(name: str, value: ArrayLike, low: float, high: float = np.inf) -> None:
@@ -49,8 +50,7 @@ def _check_range(name: str, value: ArrayLike, low: float, high: float = np.inf) 
 
 def harmonic(n: int) -> float:
     """H_n = sum_{k<=n} 1/k."""
-    if isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 1:
-        raise ValueError(f"n={n!r}: H_n needs an integer n >= 1")
+    _check_n(n, 1)
     return float(np.sum(1.0 / np.arange(1, n + 1, dtype=np.float64)))
 
 
