@@ -1,5 +1,7 @@
 """The closed forms of ``postnorm.theory`` against Monte Carlo of each theorem's own setting."""
 
+import math
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -34,6 +36,15 @@ def test_prefix_averaging_facts_and_tsim():
     x_ec = theory_mc.ec_input(np.random.default_rng(1), n, 64, 0.3)
     np.testing.assert_allclose(theory.tsim(x_ec), 0.3)
     np.testing.assert_allclose(np.sum(x_ec**2, 1), 64.0)
+
+
+def test_harmonic_past_the_exact_sum_matches_the_sum():
+    for n in (2**20 + 1, 3 * 2**20 + 7):
+        exact = math.fsum(1.0 / k for k in range(n, 0, -1))
+        assert theory.harmonic(n) == pytest.approx(exact, rel=1e-15)
+    step = theory.harmonic(2**20 + 1) - theory.harmonic(2**20)
+    assert step == pytest.approx(1.0 / (2**20 + 1), rel=1e-6)
+    assert theory.harmonic(10**15) == pytest.approx(15 * math.log(10) + np.euler_gamma, rel=1e-14)
 
 
 @pytest.mark.parametrize("n", [8, 100])
