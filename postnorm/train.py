@@ -48,6 +48,7 @@ from postnorm.run_config import (
     latest_checkpoint_step,
     write_run_config,
 )
+from postnorm.run_data import DATA_INFO_NAME, check_run_data
 from postnorm.sharding import batch_sharding, make_mesh
 from postnorm.step_builder import CompiledSteps, compile_steps
 from postnorm.validation import check_config, check_vocab_layout
@@ -84,12 +85,17 @@ def _load_data_once(config: ml_collections.ConfigDict) -> LMData:
     return data
 
 
-def build_experiment(config: ml_collections.ConfigDict) -> Experiment:
+def build_experiment(config: ml_collections.ConfigDict,
+                     check_data: Callable[[LMData], None] | None = None) -> Experiment:
     """Load data and build the model, mesh and compiled steps of a validated config.
 
-    The validation batches are read here, so a split too small for them fails before training.
+    ``check_data`` vets the loaded data before anything is compiled (every process stops if
+    it raises on one). The validation batches are read here, so a split too small for them
+    fails before training.
     """
     data = _load_data_once(config)
+    if check_data is not None:
+        _stop_together(lambda: check_data(data))
     check_vocab_layout(config, vocab_size=data.tokenizer.vocab_size,
                        device_count=jax.device_count())
     eval_batches = data.eval_batches(
@@ -185,6 +191,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         lock.release()
 
 
+def _check_resumed_data(workdir: str, config: ml_collections.ConfigDict, data: LMData) -> None:
+    """A run with a checkpoint resumes only on the data it was trained on."""
+    if latest_checkpoint_step(workdir) is not None:
+        check_run_data(workdir, data.info, config.data.data_dir, "resume")
+
+
 def _train_holding_the_lock(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     """``train_and_evaluate`` once ``workdir`` is this run's alone."""
     # Again under the lock: a run that held it may have recorded a config since the check.
@@ -192,10 +204,10 @@ def _train_holding_the_lock(config: ml_collections.ConfigDict, workdir: str) -> 
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), save_every=config.train.ckpt_every,
                         keep=config.train.keep_ckpts)
     try:
-        exp = build_experiment(config)
+        exp = build_experiment(config, lambda data: _check_resumed_data(workdir, config, data))
         if jax.process_index() == 0:
             write_run_config(workdir, config)
-            write_json_atomic(os.path.join(workdir, "data_info.json"), exp.data.info)
+            write_json_atomic(os.path.join(workdir, DATA_INFO_NAME), exp.data.info)
         state, start, data_iter = _restore_or_init(exp, ckpt)
         if jax.process_index() == 0:
             parameter_overview.log_parameter_overview(state.params)
@@ -401,7 +413,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> floa
     require_checkpoint(workdir)
     ckpt = CheckpointReader(directory)  # writes nothing: safe beside a live trainer
     try:
-        exp = build_experiment(config)
+        exp = build_experiment(config, lambda data: check_run_data(
+            workdir, data.info, config.data.data_dir, "evaluate"))
         restored = ckpt.restore_latest(exp.steps.abstract_state, train_iterator(exp))
     finally:
         ckpt.close()
