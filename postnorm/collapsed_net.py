@@ -35,6 +35,8 @@ from postnorm.checkpoint import CheckpointError, CheckpointReader
 from postnorm.data.lfreq import unigram_entropy
 from postnorm.diag_step import layer_norms
 from postnorm.model import Decoder, ModelSpec
+from postnorm.run_config import check_eval_config
+from postnorm.run_data import check_run_data
 from postnorm.train import (
     Experiment,
     batch_losses,
@@ -198,9 +200,12 @@ def next_batches_loss(exp: Experiment, state, batches, num_batches: int) -> dict
 
 def restore_final(config: ml_collections.ConfigDict, workdir: str):
     """(experiment, state, step, data iterator positioned after that step) of the latest
-    checkpoint in ``workdir``."""
+    checkpoint in ``workdir``, as the model and on the data it was trained with
+    (``check_eval_config``, ``check_run_data``)."""
+    check_eval_config(workdir, config)  # the run's own model and data config
     require_checkpoint(workdir)  # before the data and model are built
-    exp = build_experiment(config)
+    exp = build_experiment(config, lambda data: check_run_data(
+        workdir, data.info, config.data.data_dir, "measure"))
     batches = train_iterator(exp)
     ckpt = CheckpointReader(os.path.join(workdir, "checkpoints"))
     try:

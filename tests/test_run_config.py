@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from configs.default import get_config
-from postnorm import run_config
+from postnorm import collapsed_net, run_config
 from postnorm.run_config import WorkdirConfigError
 from postnorm.train import evaluate_checkpoint, train_and_evaluate
 from tests.reliability_helpers import REPO, subprocess_env
@@ -124,7 +124,8 @@ def test_an_unreadable_config_json_names_the_file(tmp_path, text):
         run_config.read_run_config(str(workdir))
 
 
-@pytest.mark.parametrize("entry", [train_and_evaluate, evaluate_checkpoint])
+@pytest.mark.parametrize("entry", [train_and_evaluate, evaluate_checkpoint,
+                                   collapsed_net.restore_final])
 def test_training_and_eval_refuse_another_model_before_writing_anything(tmp_path, entry):
     workdir, config = recorded_run(tmp_path)
     before = listing(workdir)

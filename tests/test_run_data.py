@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from postnorm import run_data
+from postnorm import collapsed_net, run_data
 from postnorm.run_data import WorkdirDataError
 from postnorm.train import evaluate_checkpoint, train_and_evaluate
 from tests.reliability_helpers import read_records, tiny_config, write_corpus
@@ -61,7 +61,8 @@ def test_resume_and_eval_refuse_a_corpus_changed_after_training(tmp_path):
     original = first_doc.read_text()
     first_doc.write_text(original + "\nan edited line.")
     before = listing(tmp_path / "run")
-    for entry, action in ((train_and_evaluate, "resume"), (evaluate_checkpoint, "evaluate")):
+    for entry, action in ((train_and_evaluate, "resume"), (evaluate_checkpoint, "evaluate"),
+                          (collapsed_net.restore_final, "measure")):
         with pytest.raises(WorkdirDataError, match=f"cannot {action} {workdir} on this data: "
                                                    ".*fingerprint"):
             entry(config, workdir)
