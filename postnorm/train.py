@@ -30,7 +30,7 @@ from postnorm.checkpoint import (
     all_processes_agree,
 )
 from postnorm.compilation_cache import use_compilation_cache
-from postnorm.data import LMData, load_data
+from postnorm.data import DataError, LMData, load_data
 from postnorm.data.files import write_json_atomic
 from postnorm.data.lfreq import frequency_floor
 from postnorm.diag_step import flatten_diagnostics
@@ -76,13 +76,17 @@ def global_frequency_floor(local_targets: np.ndarray, counts_V: np.ndarray) -> f
 
 
 def _load_data_once(config: ml_collections.ConfigDict) -> LMData:
-    """Process 0 prepares the dataset, tokenizer and L_freq caches; the others then read them."""
-    if jax.process_index() == 0:
-        data = load_data(config.data, seed=config.seed)
-    multihost_utils.sync_global_devices("postnorm: data prepared")
-    if jax.process_index() != 0:
-        data = load_data(config.data, seed=config.seed)
-    return data
+    """Process 0 prepares the dataset, tokenizer and L_freq caches; the others then read them.
+    An error on any process stops every process."""
+    loaded: list[LMData] = []
+
+    def load() -> None:
+        loaded.append(load_data(config.data, seed=config.seed))
+
+    first = jax.process_index() == 0
+    _stop_together(load if first else lambda: None, _data_failed_elsewhere)
+    _stop_together(lambda: None if first else load(), _data_failed_elsewhere)
+    return loaded[0]
 
 
 def build_experiment(config: ml_collections.ConfigDict,
@@ -98,10 +102,11 @@ def build_experiment(config: ml_collections.ConfigDict,
         _stop_together(lambda: check_data(data))
     check_vocab_layout(config, vocab_size=data.tokenizer.vocab_size,
                        device_count=jax.device_count())
-    eval_batches = data.eval_batches(
+    eval_batches: list[dict[str, np.ndarray]] = []
+    _stop_together(lambda: eval_batches.extend(data.eval_batches(
         batch_size=config.data.batch_size // jax.process_count(),
         num_batches=config.train.eval_batches, process_index=jax.process_index(),
-        process_count=jax.process_count())
+        process_count=jax.process_count())), _data_failed_elsewhere)
     spec = ModelSpec.from_config(config.model, vocab_size=data.tokenizer.vocab_size,
                                  max_len=config.data.seq_len)
     counts = param_count_formula(spec)
@@ -152,18 +157,25 @@ def _restore_or_init(exp: Experiment, ckpt: Checkpointer):
     return state, step, data_iter
 
 
-def _stop_together(check: Callable[[], None]) -> None:
-    """Run ``check``. If it raised a ``WorkdirError``, ``MetricsFileError`` or
-    ``CheckpointError`` on any process, every process raises (one whose own check passed says
-    so), so that none is left waiting for the others in a collective."""
+def _stop_together(check: Callable[[], None],
+                   elsewhere: Callable[[], Exception] = lambda: WorkdirError(
+                       "another process found the workdir unusable when this run started: its "
+                       "log says why")) -> None:
+    """Run ``check`` on every process. If it raised on any process, every process raises: that
+    one its own error, the others ``elsewhere()``, so that none is left waiting for the others
+    in a collective."""
     try:
         check()
-    except (WorkdirError, MetricsFileError, CheckpointError):
+    except Exception:
         all_processes_agree(False)
         raise
     if not all_processes_agree(True):
-        raise WorkdirError("another process found the workdir unusable when this run started: "
-                           "its log says why")
+        raise elsewhere()
+
+
+def _data_failed_elsewhere() -> DataError:
+    return DataError("another process could not load the data when this run started: its log "
+                     "says why")
 
 
 def _open_metrics(workdir: str, last_step: int) -> MetricWriter:

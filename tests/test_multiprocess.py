@@ -158,3 +158,19 @@ def test_a_damaged_metrics_file_stops_both_processes_with_exit_2(tmp_path, tmp_p
     assert codes == [2, 2], [t[-2000:] for t in texts]
     assert f"postnorm: error: {workdir}/metrics.jsonl line 2 is not a step's JSON" in texts[0]
     assert "postnorm: error: another process found the workdir unusable" in texts[1]
+
+
+def test_a_data_error_on_process_0_stops_both_processes_with_exit_2(tmp_path, tmp_path_factory):
+    """Process 0 prepares the data alone; its DataError must not leave process 1 waiting for it
+    in a collective."""
+    corpus = write_corpus(tmp_path / "corpus", num_docs=80)
+    (corpus / "binary.txt").write_bytes(b"text, then \x1f\x8b\x08 gzip bytes")
+    flag = config_flag(corpus, tmp_path / "tfds", **FIELDS)
+    logs = [tmp_path / f"process_{i}.txt" for i in range(2)]
+    processes = _launch(flag, tmp_path / "run", jax_cache_dir(tmp_path_factory), logs)
+    codes = [p.wait(timeout=240) for p in processes]
+    texts = [log.read_text() for log in logs]
+    assert codes == [2, 2], [t[-2000:] for t in texts]
+    assert f"postnorm: error: {corpus}/binary.txt (matched by data.text_files) is not UTF-8" \
+        in texts[0]
+    assert "postnorm: error: another process could not load the data" in texts[1]
