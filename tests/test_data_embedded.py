@@ -25,6 +25,9 @@ def test_split_is_by_key_and_never_leaves_a_split_empty():
     assert [d.key for d in renamed["validation"]] == [d.key for d in splits["validation"]]
     pair = corpus.split_documents(docs[:2])
     assert (len(pair["train"]), len(pair["validation"])) == (1, 1)
+    low = [d for d in docs if corpus._split_hash(d.key) < corpus.VALIDATION_FRACTION][:2]
+    both_low = corpus.split_documents(low)  # both keys hash into validation
+    assert (len(both_low["train"]), len(both_low["validation"])) == (1, 1)
 
 
 @pytest.mark.slow

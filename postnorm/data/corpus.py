@@ -148,12 +148,16 @@ def split_documents(documents: Sequence[Document]) -> dict[str, list[Document]]:
     """Deterministic train/validation split by key hash (~2% validation).
 
     With at least two documents each split gets at least one: if no key hashes below
-    VALIDATION_FRACTION, the document with the smallest hash goes to validation.
+    VALIDATION_FRACTION, the document with the smallest hash goes to validation; if every key
+    does, the one with the largest hash goes to training.
     """
     hashes = [_split_hash(d.key) for d in documents]
     is_val = [h < VALIDATION_FRACTION for h in hashes]
-    if not any(is_val) and len(documents) >= 2:
-        is_val[min(range(len(documents)), key=hashes.__getitem__)] = True
+    if len(documents) >= 2:
+        if not any(is_val):
+            is_val[min(range(len(documents)), key=hashes.__getitem__)] = True
+        elif all(is_val):
+            is_val[max(range(len(documents)), key=hashes.__getitem__)] = False
     return {
         "train": [d for d, v in zip(documents, is_val, strict=True) if not v],
         "validation": [d for d, v in zip(documents, is_val, strict=True) if v],
