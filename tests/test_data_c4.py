@@ -115,3 +115,52 @@ def test_array_record_alternative_format_is_accepted(c4_data_dir, tmp_path):
     (version_dir / "dataset_info.json").write_text(json.dumps(info))
     lm = load_data(c4_config(tmp_path, tokenizer="byte", lfreq_sample_docs=5))
     assert len(lm.train_records) == NUM_TRAIN
+
+
+@pytest.mark.parametrize("inside", ["c4/en/3.0.1", "c4/en", "c4"])
+def test_a_data_dir_inside_c4_names_the_folder_holding_it(c4_data_dir, inside):
+    with pytest.raises(DataError, match=f"points inside a prepared dataset; set data.data_dir "
+                                        f"to {c4_data_dir}, the folder holding c4/"):
+        check_data_config(c4_config(c4_data_dir / inside))
+
+
+def damaged_copy(c4_data_dir: Path, tmp_path: Path, damage) -> Path:
+    version_dir = tmp_path / "c4" / "en" / "3.0.1"
+    shutil.copytree(c4_data_dir / "c4" / "en" / "3.0.1", version_dir)
+    damage(version_dir)
+    return version_dir
+
+
+def test_damaged_c4_files_are_named(c4_data_dir, tmp_path):
+    version_dir = damaged_copy(c4_data_dir, tmp_path / "info",
+                               lambda v: (v / "dataset_info.json").write_text('{"name": "c'))
+    with pytest.raises(DataError, match=f"{version_dir}/dataset_info.json is unreadable .*"
+                                        "damaged.*convert_format"):
+        check_data_config(c4_config(tmp_path / "info"))
+
+    def shard(v: Path) -> Path:
+        return next(v.glob("c4-train.array_record-*"))
+
+    for name, damage, message in [
+        ("missing", lambda v: shard(v).unlink(), "is missing, but the train split"),
+        ("empty", lambda v: shard(v).write_bytes(b""), "is empty, but the train split"),
+    ]:
+        version_dir = damaged_copy(c4_data_dir, tmp_path / name, damage)
+        with pytest.raises(DataError, match=f"{shard(c4_data_dir / 'c4/en/3.0.1').name} "
+                                            f"{message} .* at {version_dir}"):
+            load_data(c4_config(tmp_path / name, tokenizer="byte", lfreq_sample_docs=5))
+
+
+@pytest.mark.parametrize("kept", [0.5, 0.9])
+def test_a_truncated_shard_is_a_data_error_when_read(c4_data_dir, tmp_path, kept):
+    def truncate(v: Path) -> None:
+        path = next(v.glob("c4-train.array_record-*"))
+        path.write_bytes(path.read_bytes()[: int(path.stat().st_size * kept)])
+
+    version_dir = damaged_copy(c4_data_dir, tmp_path, truncate)
+    with pytest.raises(DataError, match=f"The train split of the dataset prepared at "
+                                        f"{version_dir} is damaged: .*convert_format"):
+        lm = load_data(c4_config(tmp_path, tokenizer="byte", lfreq_sample_docs=5))
+        batches = lm.train_iterator(batch_size=4, seed=0)
+        for _ in range(2 * NUM_TRAIN):
+            next(batches)

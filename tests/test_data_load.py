@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from postnorm.data import ByteTokenizer, load_data, spm_training
+from postnorm.data import ByteTokenizer, DataError, load_data, spm_training
 from postnorm.data.lfreq import frequency_floor
 from tests.reliability_helpers import REPO, subprocess_env
 from tests.reliability_helpers import write_corpus as write_corpus_files
@@ -117,6 +117,43 @@ def test_frequency_floor_is_the_unigram_cross_entropy_of_the_targets(corpus_dir,
     assert lm.unigram_counts[unseen] == 0
     assert frequency_floor(np.array([unseen]), lm.unigram_counts) == pytest.approx(
         np.log(2 * counts.sum()), rel=1e-12)  # scored as half a count
+
+
+def test_a_damaged_lfreq_cache_is_computed_again(corpus_dir, tmp_path):
+    cfg = make_config(corpus_dir, tmp_path, tokenizer="byte")
+    first = load_data(cfg)
+    cache = next(Path(first.info["path"]).glob("lfreq_*_all.json"))
+    for text in ('{"lfreq": 3.', '{"lfreq": 3.0}', "[]"):
+        cache.write_text(text)
+        again = load_data(cfg)
+        assert again.lfreq == first.lfreq
+        assert json.loads(cache.read_text())["lfreq"] == first.lfreq
+
+
+@pytest.mark.parametrize("damage", ["metadata.json", "dataset_info.json", "no dataset_info.json",
+                                    "empty shard", "missing shard"])
+def test_a_damaged_prepared_corpus_names_its_folder_and_is_rebuilt_once_deleted(
+        corpus_dir, tmp_path, damage):
+    cfg = make_config(corpus_dir, tmp_path, tokenizer="byte")
+    first = load_data(cfg)
+    folder = Path(first.info["path"])
+    shard = next(folder.glob("*-train.array_record-*"))
+    if damage == "no dataset_info.json":
+        (folder / "dataset_info.json").unlink()
+    elif damage == "empty shard":
+        shard.write_bytes(b"")
+    elif damage == "missing shard":
+        shard.unlink()
+    else:
+        (folder / damage).write_text('{"fingerprint": "')
+    expected = (f"{shard} is {damage.split()[0]}, but the train split" if "shard" in damage
+                else f"The dataset prepared at {folder} is damaged: its dataset_info.json or "
+                     "metadata.json does not parse or lacks a field")
+    with pytest.raises(DataError, match=f"{expected}.* Delete {folder} to prepare it again"):
+        load_data(cfg)
+    shutil.rmtree(folder)
+    again = load_data(cfg)
+    assert (again.fingerprint, again.lfreq) == (first.fingerprint, first.lfreq)
 
 
 def test_lfreq_sample_docs_uses_the_first_training_documents(corpus_dir, tmp_path):

@@ -9,6 +9,7 @@ import abc
 import hashlib
 import json
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import tensorflow_datasets as tfds
 
@@ -86,9 +87,9 @@ class TextFilesCorpus(_CorpusBuilder, skip_registration=True):
         return corpus.text_file_documents(self.paths), {"paths": list(self.paths)}
 
 
-def embedded_builder(data_dir: str) -> EmbeddedCorpus:
-    """The embedded-corpus builder. Its config name hashes the installed versions and the
-    corpus definition, so a different install or selection never reuses another corpus."""
+def embedded_config() -> tfds.core.BuilderConfig:
+    """The embedded corpus's config. Its name hashes the installed versions and the corpus
+    definition, so a different install or selection never reuses another corpus."""
     versions = corpus.embedded_versions()
     corpus.warn_unpinned(versions)
     definition = {
@@ -97,11 +98,26 @@ def embedded_builder(data_dir: str) -> EmbeddedCorpus:
         "validation_fraction": corpus.VALIDATION_FRACTION,
     }
     digest = hashlib.sha256(json.dumps(definition, sort_keys=True).encode()).hexdigest()[:12]
-    config = tfds.core.BuilderConfig(name=f"dists_{digest}")
+    return tfds.core.BuilderConfig(name=f"dists_{digest}")
+
+
+def text_files_config(paths: Sequence[str]) -> tfds.core.BuilderConfig:
+    """A file set's config; its name hashes the paths, sizes and mtimes."""
+    return tfds.core.BuilderConfig(name=f"files_{corpus.file_set_id(paths)}")
+
+
+def prepared_dir(data_dir: str, builder_class: type[_CorpusBuilder],
+                 config: tfds.core.BuilderConfig) -> Path:
+    """Where ``builder_class`` prepares ``config`` under ``data_dir``."""
+    return Path(data_dir) / builder_class.name / config.name / str(_CorpusBuilder.VERSION)
+
+
+def embedded_builder(data_dir: str, config: tfds.core.BuilderConfig) -> EmbeddedCorpus:
+    """The embedded-corpus builder of ``embedded_config()``."""
     return EmbeddedCorpus(data_dir=data_dir, config=config, file_format=FILE_FORMAT)
 
 
-def text_files_builder(data_dir: str, paths: Sequence[str]) -> TextFilesCorpus:
-    """The builder for a file set; its config name hashes the paths, sizes and mtimes."""
-    config = tfds.core.BuilderConfig(name=f"files_{corpus.file_set_id(paths)}")
+def text_files_builder(data_dir: str, paths: Sequence[str],
+                       config: tfds.core.BuilderConfig) -> TextFilesCorpus:
+    """The builder for a file set of ``text_files_config(paths)``."""
     return TextFilesCorpus(paths=paths, data_dir=data_dir, config=config, file_format=FILE_FORMAT)

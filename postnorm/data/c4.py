@@ -16,7 +16,7 @@ def c4_dir(data_dir: str, version: str) -> Path:
     return Path(data_dir).expanduser() / NAME / CONFIG / version
 
 
-def _how_to_prepare(path: Path, version: str) -> str:
+def how_to_prepare(path: Path, version: str) -> str:
     return (
         f"Convert the public tfrecord copy of {NAME}/{CONFIG} {version} once, in an environment "
         "with TensorFlow: `tfds convert_format --dataset_version_dir=<tfrecord data_dir>/"
@@ -25,22 +25,45 @@ def _how_to_prepare(path: Path, version: str) -> str:
     )
 
 
+def _folder_holding_c4(data_dir: str, version: str) -> Path | None:
+    """The folder holding c4/ when ``data_dir`` points inside a prepared c4/en/<version>."""
+    given = Path(data_dir).expanduser()
+    for inside, depth in (((), 3), ((version,), 2), ((CONFIG, version), 1)):
+        if given.joinpath(*inside, "dataset_info.json").is_file() and len(given.parents) >= depth:
+            return given.parents[depth - 1]
+    return None
+
+
 def check_c4(data_dir: str, version: str) -> None:
     """DataError unless a prepared c4/en/<version> with array_record shards is where expected."""
     path = c4_dir(data_dir, version)
     info_path = path / "dataset_info.json"
     if not info_path.is_file():
+        holder = _folder_holding_c4(data_dir, version)
+        if holder is not None:
+            raise DataError(
+                f"data.source='c4': data.data_dir={data_dir!r} points inside a prepared "
+                f"dataset; set data.data_dir to {holder}, the folder holding {NAME}/ "
+                f"(the dataset must be at <data.data_dir>/{NAME}/{CONFIG}/{version})."
+            )
         raise DataError(
             f"data.source='c4': no prepared {NAME}/{CONFIG}:{version} dataset at {path} "
             f"(looked for {info_path}; data.data_dir={data_dir!r}, "
-            f"data.c4_version={version!r}). {_how_to_prepare(path, version)}"
+            f"data.c4_version={version!r}). {how_to_prepare(path, version)}"
         )
-    info = json.loads(info_path.read_text())
+    try:
+        info = json.loads(info_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DataError(f"data.source='c4': {info_path} is unreadable ({err}): the prepared "
+                        f"dataset is damaged. {how_to_prepare(path, version)}") from err
+    if not isinstance(info, dict):
+        raise DataError(f"data.source='c4': {info_path} holds no dataset description: the "
+                        f"prepared dataset is damaged. {how_to_prepare(path, version)}")
     formats = {info.get("fileFormat", "tfrecord"), *info.get("alternativeFileFormats", [])}
     if "array_record" not in formats:
         raise DataError(
             f"data.source='c4': {path} holds {sorted(formats)} shards, but random access needs "
-            f"array_record. {_how_to_prepare(path, version)}"
+            f"array_record. {how_to_prepare(path, version)}"
         )
     found = (info.get("name"), info.get("configName"), info.get("version"))
     if found != (NAME, CONFIG, version):

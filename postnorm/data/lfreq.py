@@ -74,14 +74,29 @@ def cache_path(source: PreparedSource, tokenizer: Tokenizer, sample_docs: int) -
     return Path(source.path) / f"lfreq_{tokenizer.name}_{sample_docs or 'all'}.json"
 
 
+def _read_cache(path: Path) -> dict | None:
+    """The cached counts, or None when there is no usable cache (a damaged one is computed
+    again and replaced)."""
+    if not path.exists():
+        return None
+    try:
+        cached = json.loads(path.read_text())
+        if isinstance(cached, dict) and {"fingerprint", "lfreq", "counts"} <= cached.keys():
+            return cached
+        problem = "lacks fields"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        problem = f"is unreadable ({err})"
+    logging.warning("The L_freq cache %s %s: computing it again", path, problem)
+    return None
+
+
 def get_unigram(source: PreparedSource, tokenizer: Tokenizer, sample_docs: int = 0) -> Unigram:
     """Counts and L_freq over the first `sample_docs` training documents (0: all), cached as
     JSON."""
     path = cache_path(source, tokenizer, sample_docs)
-    if path.exists():
-        cached = json.loads(path.read_text())
-        if cached["fingerprint"] == source.fingerprint and "counts" in cached:
-            return Unigram(cached["lfreq"], np.asarray(cached["counts"], np.int64))
+    cached = _read_cache(path)
+    if cached is not None and cached["fingerprint"] == source.fingerprint:
+        return Unigram(cached["lfreq"], np.asarray(cached["counts"], np.int64))
     num_train = len(source.splits["train"])
     num_docs = min(sample_docs, num_train) if sample_docs else num_train
     start = time.perf_counter()

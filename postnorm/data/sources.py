@@ -1,6 +1,7 @@
 """Preparing (if needed) and opening the configured dataset as TFDS array_record data sources."""
 
 import dataclasses
+import json
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -8,8 +9,10 @@ from typing import Any
 import ml_collections
 import tensorflow_datasets as tfds
 from absl import logging
+from google.protobuf import json_format
 
 from postnorm.data import builders, c4, corpus
+from postnorm.data.errors import DataError
 
 TEXT_FEATURE = "text"
 SPLITS = ("train", "validation")
@@ -40,6 +43,35 @@ class PreparedSource:
                 yield record[TEXT_FEATURE].decode("utf-8")
 
 
+class CheckedRecords(Sequence):
+    """A split's random-access records. A shard that cannot be read, or a record without its
+    text (what a truncated shard can give), is a ``DataError`` that names the split's folder
+    and ``fix``."""
+
+    def __init__(self, records: Sequence[dict[str, Any]], split: str, path: str, fix: str):
+        self._records, self._split, self._path, self._fix = records, split, path, fix
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+        try:
+            records = self._records.__getitems__(indices)
+        except RuntimeError as err:  # array_record: a missing, empty or corrupted shard
+            raise self._damaged(f"reading it failed ({str(err).splitlines()[0][:300]})") from err
+        for index, record in zip(indices, records, strict=True):
+            if not isinstance(record.get(TEXT_FEATURE), bytes):
+                raise self._damaged(f"its record {index} has no text")
+        return records
+
+    def _damaged(self, what: str) -> DataError:
+        return DataError(f"The {self._split} split of the dataset prepared at {self._path} is "
+                         f"damaged: {what}. {self._fix}")
+
+
 def _summary(builder: tfds.core.DatasetBuilder, source: str, fingerprint: str) -> dict:
     info = builder.info
     summary = {
@@ -57,18 +89,55 @@ def _summary(builder: tfds.core.DatasetBuilder, source: str, fingerprint: str) -
     return summary
 
 
+# What TFDS raises on a prepared folder whose dataset_info.json or metadata.json is damaged
+# or incomplete.
+_DAMAGED_METADATA = (json.JSONDecodeError, json_format.ParseError, KeyError)
+
+
+def _prepared_corpus(cfg: ml_collections.ConfigDict,
+                     data_dir: str) -> tuple[tfds.core.DatasetBuilder, str, str]:
+    """The embedded or text-files dataset, prepared on first use: its builder, fingerprint
+    and what to do if its files turn out damaged."""
+    if cfg.source == "embedded":
+        config = builders.embedded_config()
+        path = builders.prepared_dir(data_dir, builders.EmbeddedCorpus, config)
+    else:
+        paths = corpus.text_file_paths(cfg.text_files)
+        config = builders.text_files_config(paths)
+        path = builders.prepared_dir(data_dir, builders.TextFilesCorpus, config)
+    fix = f"Delete {path} to prepare it again."
+    try:
+        if cfg.source == "embedded":
+            builder = builders.embedded_builder(data_dir, config)
+        else:
+            builder = builders.text_files_builder(data_dir, paths, config)
+        builder.download_and_prepare()
+        return builder, builder.info.metadata["fingerprint"], fix
+    except _DAMAGED_METADATA as err:
+        raise DataError(f"The dataset prepared at {path} is damaged: its dataset_info.json or "
+                        f"metadata.json does not parse or lacks a field ({type(err).__name__}: "
+                        f"{str(err)[:300]}). {fix}") from err
+
+
+def _check_shard_files(builder: tfds.core.DatasetBuilder, fix: str) -> None:
+    """DataError unless every shard file the splits list exists and is not empty."""
+    for split in SPLITS:
+        for path in builder.info.splits[split].filepaths:
+            if not path.exists() or path.stat().length == 0:
+                state = "missing" if not path.exists() else "empty"
+                raise DataError(f"{path} is {state}, but the {split} split of the dataset "
+                                f"prepared at {builder.data_dir} lists it. {fix}")
+
+
 def prepare_source(cfg: ml_collections.ConfigDict) -> PreparedSource:
-    """Builds the embedded or text-files dataset on first use, or opens the prepared C4."""
+    """Builds the embedded or text-files dataset on first use, or opens the prepared C4;
+    checks that every shard file is there."""
     data_dir = os.path.expanduser(cfg.data_dir)
     if cfg.source == "c4":
         builder, fingerprint = c4.open_c4(data_dir, cfg.c4_version)
+        fix = c4.how_to_prepare(c4.c4_dir(data_dir, cfg.c4_version), cfg.c4_version)
     else:
-        if cfg.source == "embedded":
-            builder = builders.embedded_builder(data_dir)
-        else:
-            builder = builders.text_files_builder(data_dir, corpus.text_file_paths(cfg.text_files))
-        builder.download_and_prepare()
-        fingerprint = builder.info.metadata["fingerprint"]
+        builder, fingerprint, fix = _prepared_corpus(cfg, data_dir)
     summary = _summary(builder, cfg.source, fingerprint)
     if cfg.source == "text_files":
         summary["text_files"] = cfg.text_files
@@ -77,5 +146,8 @@ def prepare_source(cfg: ml_collections.ConfigDict) -> PreparedSource:
         cfg.source, summary["builder"], summary["config"], summary["version"], summary["path"],
         summary["num_docs"], fingerprint,
     )
-    splits = {name: builder.as_data_source(name) for name in SPLITS}
-    return PreparedSource(builder, fingerprint, summary, splits)
+    splits = {name: builder.as_data_source(name) for name in SPLITS}  # array_record's files
+    _check_shard_files(builder, fix)
+    checked = {name: CheckedRecords(records, name, summary["path"], fix)
+               for name, records in splits.items()}
+    return PreparedSource(builder, fingerprint, summary, checked)
