@@ -25,12 +25,14 @@ CONFIG_NAME = "config.json"
 # identity, so changing them (or a run recorded before they existed) is the same run.
 PROCESS_SECTIONS = ("runtime",)
 
-# Fields a resume may change: they set what is logged, evaluated, diagnosed and kept, where the
+# Fields a resume may change: they set what is logged, evaluated, diagnosed and kept, what is
+# done about a non-finite step (finite steps are the same under every policy), where the
 # prepared data is stored, and how the same model is computed and laid out over the devices
-# (``mesh.*``), not the function any step computes. (A run recorded before one of them existed
-# resumes too.)
+# (``mesh.*``), not the function any finite step computes. (A run recorded before one of them
+# existed resumes too.)
 RESUMABLE_FIELDS = ("train.log_every", "train.eval_every", "train.ckpt_every",
-                    "train.keep_ckpts", "diag.every", "data.data_dir", "model.remat",
+                    "train.keep_ckpts", "diag.every", "train.nonfinite", "train.max_rollbacks",
+                    "train.rollback_lr_factor", "data.data_dir", "model.remat",
                     "model.scan_unroll", "model.attention", "model.attention_block", "mesh.*")
 
 # Sections an evaluation of a checkpoint must share with the run that trained it, and the

@@ -316,12 +316,16 @@ def _nonfinite(exp: Experiment, ckpt: Checkpointer, state: GuardedState,
                         float(restored.lr_scale), rollbacks + 1, cfg.max_rollbacks)
         return restored, start, data_iter
     dump = _dump_nonfinite(exp, state, step, positions[step], workdir)
-    why = ("" if cfg.nonfinite == "abort" else
-           f" after {rollbacks} rollbacks (train.max_rollbacks={cfg.max_rollbacks})")
+    if cfg.nonfinite == "abort":
+        why, policy = "", "set train.nonfinite to 'skip' or 'rollback'"
+    else:
+        why = f" after {rollbacks} rollbacks (train.max_rollbacks={cfg.max_rollbacks})"
+        policy = "raise train.max_rollbacks or set train.nonfinite to 'skip'"
     raise NonFiniteError(
         f"step {step} has a non-finite loss or gradient{why}; no state from it was saved. "
-        f"Forensic dump: {dump}. Lower opt.lr or set opt.clip_norm, or set train.nonfinite "
-        "to 'skip' or 'rollback'; rerunning resumes from the last checkpoint.")
+        f"Forensic dump: {dump}. To go on, {policy} and rerun: the run resumes from its last "
+        "checkpoint. A lower opt.lr or an opt.clip_norm changes the run, so it needs a new "
+        "--workdir.")
 
 
 def _dump_nonfinite(exp: Experiment, state: GuardedState, step: int, position: dict,

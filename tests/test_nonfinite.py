@@ -145,7 +145,8 @@ def test_abort_dumps_the_step_and_exits_nonzero_before_any_checkpoint_of_it(setu
     result = _run(setup, workdir, train__ckpt_every=1)
     assert result.returncode == 3, result.stderr[-3000:]
     assert (f"postnorm: error: step 3 has a non-finite loss or gradient; no state from it was "
-            f"saved. Forensic dump: {workdir}/nonfinite_step_3.json") in result.stderr
+            f"saved. Forensic dump: {workdir}/nonfinite_step_3.json. To go on, set "
+            "train.nonfinite to 'skip' or 'rollback' and rerun") in result.stderr
     assert finalized_steps(workdir) == [1, 2]  # steps 1 and 2 saved; nothing from step 3 on
     assert read_records(workdir)[-1]["train/loss"] == "nan"
 
@@ -164,6 +165,14 @@ def test_abort_dumps_the_step_and_exits_nonzero_before_any_checkpoint_of_it(setu
     iterator = data.train_iterator(batch_size=8, seed=0)
     next(iterator), next(iterator)
     assert dump["data_iterator_state_before_batch"] == {"process_0-of-1": iterator.get_state()}
+
+    # The advice can be followed: the rerun with another policy resumes from step 2.
+    result = _run(setup, workdir, train__ckpt_every=1, train__nonfinite="skip")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from the checkpoint at step 2" in result.stderr
+    skipped = {r["step"]: r["train/skipped_steps"] for r in read_records(workdir)
+               if "train/loss" in r}
+    assert skipped == {1: 0, 2: 0, **{s: s - 2 for s in range(3, STEPS + 1)}}
 
 
 @pytest.mark.slow

@@ -57,6 +57,8 @@ def test_watching_implementation_and_process_fields_may_change_on_resume(tmp_pat
         section, name = path.split(".")
         watched[section][name] += 1
     watched.data.data_dir, watched.model.remat, watched.model.attention = "/x", "dots", "xla"
+    watched.train.nonfinite, watched.train.rollback_lr_factor = "rollback", 0.1
+    watched.train.max_rollbacks += 1
     watched.runtime.allocator = "system"
     run_config.check_run_config(str(workdir), watched)
 
