@@ -31,14 +31,14 @@ from ml_collections import config_flags
 from postnorm import train
 from postnorm.allocator import use_allocator
 from postnorm.config_args import parse_flags
-from postnorm.data.tokenizers import read_user_sentencepiece
+from postnorm.data.tokenizers import ByteTokenizer, read_user_sentencepiece
 from postnorm.model import ModelSpec, param_count_formula
 from postnorm.nonfinite import NonFiniteError
 from postnorm.plots import render_run_plots
 from postnorm.report import write_report
 from postnorm.run_config import WorkdirError, config_data
 from postnorm.user_errors import exit_2_on_user_error
-from postnorm.validation import check_model
+from postnorm.validation import check_fields, check_model
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/default.py:pre.",
@@ -54,11 +54,14 @@ flags.mark_flags_as_required(["config"])
 
 
 def print_param_count(config) -> None:
-    """Parameter counts by group. The vocabulary is data.tokenizer_path's when that file
-    exists, else data.vocab_size."""
+    """Parameter counts by group. The vocabulary is the byte tokenizer's, data.tokenizer_path's
+    when that file exists, else data.vocab_size."""
+    check_fields(config)
     check_model(config)
     vocab_size, origin = config.data.vocab_size, "data.vocab_size"
-    if os.path.isfile(os.path.expanduser(config.data.tokenizer_path)):
+    if config.data.tokenizer == "byte":
+        vocab_size, origin = ByteTokenizer.vocab_size, "data.tokenizer='byte'"
+    elif os.path.isfile(os.path.expanduser(config.data.tokenizer_path)):
         vocab_size = read_user_sentencepiece(config.data.tokenizer_path).vocab_size
         origin = config.data.tokenizer_path
     print(f"vocabulary: {vocab_size:,} (from {origin})")
@@ -106,15 +109,16 @@ def run(argv: list[str]) -> None:
         return
     if FLAGS.workdir is None or not FLAGS.workdir.strip():
         raise app.UsageError(f"--workdir is required for --mode={FLAGS.mode} (a directory path)")
+    workdir = os.path.expanduser(FLAGS.workdir)
     if FLAGS.mode in ("plots", "report"):
         try:
             if FLAGS.mode == "plots":
-                for path in render_run_plots(FLAGS.workdir):
+                for path in render_run_plots(workdir):
                     print(path)
             else:
-                print(write_report(FLAGS.workdir, config_data(config)))
+                print(write_report(workdir, config_data(config)))
         except OSError as err:
-            raise OutputError(f"--mode={FLAGS.mode} could not write under {FLAGS.workdir} "
+            raise OutputError(f"--mode={FLAGS.mode} could not write under {workdir} "
                               f"({err}); make it writable or copy the run elsewhere") from err
         return
     allocator = use_allocator(config.runtime.allocator)  # may re-execute this command
@@ -123,9 +127,9 @@ def run(argv: list[str]) -> None:
                  jax.__version__, jax.process_index(), jax.process_count(),
                  jax.local_device_count(), jax.device_count(), jax.devices(), allocator)
     if FLAGS.mode == "train":
-        train.train_and_evaluate(config, FLAGS.workdir)
+        train.train_and_evaluate(config, workdir)
     else:
-        train.evaluate_checkpoint(config, FLAGS.workdir)
+        train.evaluate_checkpoint(config, workdir)
 
 
 if __name__ == "__main__":

@@ -110,8 +110,9 @@ def _flag_error(message: str) -> NoReturn:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing (``app.run(main, flags_parser=parse_flags)``), where two mistakes
-    become a flag error (exit 1) instead of a traceback: a config file that cannot be loaded,
+    """absl's flag parsing (``app.run(main, flags_parser=parse_flags)``), where these mistakes
+    become a flag error (exit 1) instead of a traceback: a config file that cannot be loaded
+    or has no ``get_config`` returning a ConfigDict,
     a bad variant or ``key=value`` in ``--config=<file>:<arg>`` (ml_collections quotes the
     traceback), and a ``--config.<path>=value`` override of a field the config does not have
     (a bare ``AttributeError``/``KeyError``)."""
@@ -119,13 +120,21 @@ def parse_flags(argv: list[str]) -> list[str]:
     try:
         remaining = flags.FLAGS(argv)
         if "config" in flags.FLAGS:  # ml_collections defers a missing file's error to first use
-            getattr(flags.FLAGS["config"].value, "keys", None)
+            config = flags.FLAGS["config"].value
+            getattr(config, "keys", None)  # raises the deferred error of a file not loaded
+            if not isinstance(config, ml_collections.ConfigDict):
+                _flag_error(f"--config: the file's get_config() returned an object of type "
+                            f"{type(config).__name__}, not an ml_collections.ConfigDict (see "
+                            "configs/default.py)")
         return remaining
     except OSError as err:
         _flag_error(f"--config: {err}")
     except flags.Error as err:
         _flag_error(str(_config_arg_error(err) or err))
     except (AttributeError, KeyError) as err:
+        if "'get_config'" in str(err):
+            _flag_error("--config: the file defines no get_config(arg=None) returning an "
+                        "ml_collections.ConfigDict (see configs/default.py)")
         if not overrides:  # raised by the config file itself: its traceback is the message
             raise
         _flag_error(f"a config override names a field the config does not have ({err}); the "

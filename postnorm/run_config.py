@@ -120,13 +120,13 @@ def write_run_config(workdir: str, config: ml_collections.ConfigDict) -> None:
     write_json_atomic(config_path(workdir), config_data(config))
 
 
-def _flatten(data: dict, prefix: str = "") -> dict[str, object]:
+def flatten_fields(data: dict, prefix: str = "") -> dict[str, object]:
     """{dotted path: leaf value} of nested dicts."""
     flat = {}
     for key, value in data.items():
         path = f"{prefix}{key}"
         if isinstance(value, dict):
-            flat.update(_flatten(value, path + "."))
+            flat.update(flatten_fields(value, path + "."))
         else:
             flat[path] = value
     return flat
@@ -135,7 +135,7 @@ def _flatten(data: dict, prefix: str = "") -> dict[str, object]:
 def changed_fields(recorded: dict, config: ml_collections.ConfigDict | dict) -> list[str]:
     """Dotted paths whose values differ between two configs (``PROCESS_SECTIONS`` ignored);
     a field present in only one of them counts as changed."""
-    old, new = _flatten(canonical_config(recorded)), _flatten(canonical_config(config))
+    old, new = flatten_fields(canonical_config(recorded)), flatten_fields(canonical_config(config))
     missing = object()
     return sorted(k for k in old.keys() | new.keys()
                   if old.get(k, missing) != new.get(k, missing))
@@ -148,7 +148,7 @@ def _matches(field: str, patterns: tuple[str, ...]) -> bool:
 
 def _refusal(workdir: str, recorded: dict, config: ml_collections.ConfigDict,
              refused: list[str], allowed: str) -> WorkdirConfigError:
-    old, new = _flatten(recorded), _flatten(config_data(config))
+    old, new = flatten_fields(recorded), flatten_fields(config_data(config))
 
     def value(flat: dict, key: str) -> str:
         return repr(flat[key]) if key in flat else "absent"

@@ -3,18 +3,21 @@
 Each failure raises ``ConfigError`` naming the field, its value and what is allowed.
 """
 
+import difflib
 import math
 from collections.abc import Callable
 
 import jax
 import ml_collections
 
+from configs.default import base_config
 from postnorm.allocator import ALLOCATORS
 from postnorm.data import check_data_config
 from postnorm.initializers import INIT_SCHEMES
 from postnorm.layers import ATTENTION_KERNELS
 from postnorm.model import DTYPES, NORM_PLACEMENTS, POSITION_SCHEMES, REMAT_POLICIES
 from postnorm.nonfinite import NONFINITE_POLICIES
+from postnorm.run_config import config_data, flatten_fields
 from postnorm.sharding import mesh_shape
 
 SCHEDULES = ("cosine", "constant")
@@ -166,12 +169,26 @@ def check_runtime(config: ml_collections.ConfigDict) -> None:
              "a directory path, or '' for no cache")
 
 
+def check_fields(config: ml_collections.ConfigDict) -> None:
+    """Every field is one the trainer reads: those of ``configs/default.py``'s base config
+    (a misspelt field would otherwise be ignored, and its default used)."""
+    known = flatten_fields(config_data(base_config()))
+    unknown = [k for k in flatten_fields(config_data(config)) if k not in known]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], known, n=1, cutoff=0.8)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"unknown config field {unknown[0]}{hint}: the fields are those of "
+                          "configs/default.py's base_config(); rename or remove it"
+                          + (f" (also unknown: {', '.join(unknown[1:])})" if unknown[1:] else ""))
+
+
 def check_config(config: ml_collections.ConfigDict, *, device_count: int,
                  process_count: int = 1, platform: str | None = None) -> None:
     """Validate every field the trainer reads (data fields: ``postnorm.data``).
 
     ``platform`` defaults to the running JAX backend.
     """
+    check_fields(config)
     check_runtime(config)
     check_model(config)
     check_backend(config, platform=platform or jax.default_backend())

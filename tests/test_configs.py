@@ -1,5 +1,6 @@
 """Config files, variants, key=value overrides, and the CLI's handling of bad input."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -121,3 +122,44 @@ def test_cli_a_config_files_own_attribute_error_is_not_called_an_unknown_overrid
     assert result.returncode == 1
     assert "missing_attribute" in result.stderr
     assert "a config override names a field" not in result.stderr
+
+
+@pytest.mark.parametrize("text,message", [
+    ("x = 1\n", "the file defines no get_config(arg=None) returning an ml_collections.ConfigDict"),
+    ("def get_config():\n    return 5\n", "the file's get_config() returned an object of type "
+                                            "int, not an ml_collections.ConfigDict"),
+])
+def test_cli_a_config_file_without_a_config_is_a_one_line_flag_error(tmp_path, text, message):
+    path = tmp_path / "config_file.py"
+    path.write_text(text)
+    result = run_main("--config", str(path), "--workdir", str(tmp_path / "run"))
+    assert result.returncode == 1
+    assert result.stderr.splitlines()[0] == f"FATAL Flags parsing error: --config: {message} " \
+                                            "(see configs/default.py)"
+    assert "Traceback" not in result.stderr
+
+
+def test_cli_a_misspelt_field_in_a_config_file_is_named(tmp_path):
+    path = tmp_path / "typo.py"
+    path.write_text("from configs import default\n\n\ndef get_config(arg=None):\n"
+                    "    c = default.get_config(arg)\n    c.model.n_layer = 2\n    return c\n")
+    result = run_main("--config", str(path), "--mode=params")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "postnorm: error: unknown config field model.n_layer (did you mean " \
+           "model.n_layers?)" in result.stderr
+
+
+def test_cli_params_mode_counts_the_byte_vocabulary():
+    result = run_main("--config", "configs/default.py:data.tokenizer=byte", "--mode=params")
+    assert result.returncode == 0, result.stderr
+    assert "vocabulary: 257 (from data.tokenizer='byte')" in result.stdout
+
+
+@pytest.mark.parametrize("mode", ["plots", "report"])
+def test_cli_plots_and_report_expand_a_home_workdir(tmp_path, mode):
+    result = subprocess.run(
+        [sys.executable, "main.py", "--config", "configs/default.py", f"--mode={mode}",
+         "--workdir=~/run"], cwd=REPO, capture_output=True, text=True,
+        env={**os.environ, "HOME": str(tmp_path)})
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"{tmp_path}/run/metrics.jsonl does not exist" in result.stderr

@@ -126,6 +126,15 @@ def test_missing_field_is_named():
         check_config(config, device_count=8)
 
 
+def test_an_unknown_field_is_named_with_the_nearest_known_one():
+    config = _valid_config()
+    config.model.n_layer = 2  # a config file's typo for n_layers
+    config.extra = ml_collections.ConfigDict({"x": 1})
+    with pytest.raises(ConfigError, match=r"unknown config field model.n_layer \(did you mean "
+                                          r"model.n_layers\?\): .*\(also unknown: extra.x\)"):
+        check_config(config, device_count=8)
+
+
 def test_batch_must_split_over_processes():
     config = _valid_config()
     config.data.batch_size, config.mesh.data = 9, 1
