@@ -1,9 +1,10 @@
 """The paper's setup: 48 layers, d=512, d_ff=1536, 4 heads, n=2048, C4 with a 32k vocab.
 
 Point ``data.data_dir`` at a TFDS data_dir holding ``c4/en/3.0.1`` in array_record format
-(docs/C4.md) and ``data.tokenizer_path`` at a SentencePiece model (e.g. the T5 32k vocab):
+(docs/C4.md; a local disk or a mounted bucket) and ``data.tokenizer_path`` at a SentencePiece
+model (e.g. the T5 32k vocab):
 
-    python main.py --config configs/paper.py:data.data_dir=gs://bucket/tfds,\
+    python main.py --config configs/paper.py:data.data_dir=/mnt/tfds,\
 data.tokenizer_path=/path/spm32k.model --workdir runs/paper
 
 Embeddings are tied, which gives the ~180M parameters of the paper (untied: ~196M).

@@ -1,5 +1,6 @@
 """check_data_config: each bad setting raises a DataError naming the field or path."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,17 @@ def test_data_dir_that_is_a_file(corpus_dir, tmp_path):
     not_a_dir.write_text("")
     with pytest.raises(DataError, match="data.data_dir"):
         check_data_config(make_config(corpus_dir, not_a_dir / "tfds"))
+
+
+@pytest.mark.parametrize("source", ["text_files", "c4"])
+@pytest.mark.parametrize("data_dir,message", [
+    ("", "data.data_dir='': must be a directory path"),
+    ("  ", "data.data_dir='  ': must be a directory path"),
+    ("gs://bucket/tfds", "data.data_dir='gs://bucket/tfds': must be a local path; mount a bucket"),
+])
+def test_data_dir_that_is_empty_or_a_url(corpus_dir, source, data_dir, message):
+    with pytest.raises(DataError, match=re.escape(message)):
+        check_data_config(make_config(corpus_dir, data_dir, source=source))
 
 
 def test_cached_tokenizer_that_is_corrupt(corpus_dir, tmp_path):

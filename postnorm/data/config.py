@@ -58,6 +58,12 @@ def check_data_config(cfg: ml_collections.ConfigDict) -> None:
         raise DataError(f"data.tokenizer={cfg.tokenizer!r}: must be one of {TOKENIZERS}.")
     _check_int(cfg, "seq_len", 2)
     _check_int(cfg, "lfreq_sample_docs", 0)
+    if not isinstance(cfg.data_dir, str) or not cfg.data_dir.strip():
+        raise DataError(f"data.data_dir={cfg.data_dir!r}: must be a directory path (e.g. "
+                        "~/tensorflow_datasets).")
+    if "://" in cfg.data_dir:
+        raise DataError(f"data.data_dir={cfg.data_dir!r}: must be a local path; mount a bucket "
+                        "(e.g. with gcsfuse) and give the mounted directory.")
     data_dir = os.path.expanduser(cfg.data_dir)
 
     if cfg.source == "c4":
