@@ -292,7 +292,7 @@ def _train_loop(exp: Experiment, ckpt: Checkpointer, watch: PreemptionWatch,
             reporter.flush()
             reporter.write_eval(step, evaluate(exp, state), exp.eval_floor)
         ckpt.save(step, state, data_iter, force=step == total or stop)
-        if stop:
+        if stop and step < total:  # a stop asked for during the last step: the run is done
             reporter.flush()
             ckpt.wait_until_finished()
             raise Preempted(step, str(ckpt.directory), interrupted=watch.interrupted)

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from postnorm.metrics import truncate_jsonl
+from postnorm.preemption import Preempted, PreemptionWatch
+from postnorm.train import train_and_evaluate
 from tests.reliability_helpers import (
     config_flag,
     jax_cache_dir,
@@ -21,6 +23,7 @@ from tests.reliability_helpers import (
     run_main,
     start_main,
     tensorboard_scalars,
+    tiny_config,
     wait_for_step,
     write_corpus,
 )
@@ -145,3 +148,15 @@ def test_a_second_trainer_of_the_same_workdir_is_refused(tmp_path, tmp_path_fact
     assert first.wait(timeout=300) == 0, log.read_text()[-3000:]
     logged = [r["step"] for r in read_records(workdir) if "train/loss" in r]
     assert logged == list(range(1, steps + 1))
+
+
+def test_a_stop_asked_for_during_the_last_step_finishes_the_run(tmp_path, monkeypatch):
+    """A SIGTERM that lands during the last step is not a preemption: the run is complete."""
+    monkeypatch.setattr(PreemptionWatch, "should_stop", lambda self, step: True)
+    corpus = write_corpus(tmp_path / "corpus")
+    one_step = tiny_config(corpus, tmp_path / "tfds", train__steps=1)
+    train_and_evaluate(one_step, str(tmp_path / "one"))
+    assert (tmp_path / "one" / "plots").is_dir()
+    two_steps = tiny_config(corpus, tmp_path / "tfds", train__steps=2)
+    with pytest.raises(Preempted, match="preempted at step 1"):
+        train_and_evaluate(two_steps, str(tmp_path / "two"))
