@@ -122,24 +122,32 @@ def _duration(seconds: float) -> str:
 
 
 class Progress:
-    """Step rate and ETA over the steps since the previous report (compile time excluded)."""
+    """Step rate and ETA over the steps since the previous report, less the time set aside
+    with ``exclude`` (compiles, evals, checkpoint saves)."""
 
     def __init__(self, total_steps: int, tokens_per_step: int, start_step: int):
         self.total_steps = total_steps
         self.tokens_per_step = tokens_per_step
         self._last_step, self._last_time = start_step, None
+        self._excluded_s = 0.0
+
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` of the current interval out of its step rate."""
+        self._excluded_s += seconds
 
     def report(self, step: int, metrics: Mapping[str, float],
                lfreq: float) -> tuple[str, float | None]:
         """A one-line summary of ``step`` and the tokens/s since the last report (if known)."""
         now = time.perf_counter()
         rate, tokens_per_s = "", None
-        if self._last_time is not None and step > self._last_step:
-            steps_per_s = (step - self._last_step) / (now - self._last_time)
+        stepping_s = (now - self._last_time - self._excluded_s
+                      if self._last_time is not None else 0.0)
+        if step > self._last_step and stepping_s > 0:
+            steps_per_s = (step - self._last_step) / stepping_s
             tokens_per_s = steps_per_s * self.tokens_per_step
             eta = (self.total_steps - step) / steps_per_s
             rate = f" | {tokens_per_s:,.0f} tok/s | ETA {_duration(eta)}"
-        self._last_step, self._last_time = step, now
+        self._last_step, self._last_time, self._excluded_s = step, now, 0.0
         line = (f"step {step}/{self.total_steps} | loss {metrics['train/loss']:.4f} | "
                 f"L_freq {lfreq:.4f} | lr {metrics['train/lr']:.2e}{rate}")
         return line, tokens_per_s

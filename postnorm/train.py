@@ -12,9 +12,11 @@ checkpoint, so a frozen state is never evaluated or saved. On SIGTERM (``postnor
 the loop saves a checkpoint after the current step and raises ``Preempted``.
 """
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 
 import jax
 import ml_collections
@@ -254,6 +256,7 @@ def _train_loop(exp: Experiment, ckpt: Checkpointer, watch: PreemptionWatch,
     halting = config.train.nonfinite != "skip"
     positions = {}  # step -> data-iterator state before its batch, since the last clean check
     sharding = batch_sharding(exp.mesh)
+    called = set()  # the programs called so far: their first call compiles them
     step = start
     while step < total:
         step += 1
@@ -262,10 +265,14 @@ def _train_loop(exp: Experiment, ckpt: Checkpointer, watch: PreemptionWatch,
         local_batch = next(data_iter)
         batch = global_batch(local_batch, sharding)
         is_diag = step % config.diag.every == 0 or step == 1
-        if is_diag:
-            state, device_metrics, device_diag = exp.steps.diag(state, batch)
-        else:
-            (state, device_metrics), device_diag = exp.steps.train(state, batch), None
+        program = "diag" if is_diag else "train"
+        compiling = program not in called
+        called.add(program)
+        with reporter.excluded() if compiling else contextlib.nullcontext():
+            if is_diag:
+                state, device_metrics, device_diag = exp.steps.diag(state, batch)
+            else:
+                (state, device_metrics), device_diag = exp.steps.train(state, batch), None
         reporter.flush()  # step - 1's metrics: the device is already busy with this step
         is_log = step % config.train.log_every == 0 or step in (start + 1, total)
         if is_log or is_diag:
@@ -290,8 +297,13 @@ def _train_loop(exp: Experiment, ckpt: Checkpointer, watch: PreemptionWatch,
             positions.clear()
         if is_eval:
             reporter.flush()
-            reporter.write_eval(step, evaluate(exp, state), exp.eval_floor)
-        ckpt.save(step, state, data_iter, force=step == total or stop)
+            jax.block_until_ready(state)  # the step's own time stays in the rate
+            with reporter.excluded():
+                reporter.write_eval(step, evaluate(exp, state), exp.eval_floor)
+        if stop or step == total or step % config.train.ckpt_every == 0:
+            jax.block_until_ready(state)
+            with reporter.excluded():
+                ckpt.save(step, state, data_iter, force=step == total or stop)
         if stop and step < total:  # a stop asked for during the last step: the run is done
             reporter.flush()
             ckpt.wait_until_finished()
@@ -358,6 +370,15 @@ class _Reporter:
         self.writer = _open_metrics(self.workdir, step)
         self.progress = Progress(self.total_steps, self.tokens_per_step, step)
         self.saw_skip, self._held, self._skipped = False, None, skipped_steps
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        """Leave the time of the block (a compile, an eval, a save) out of the step rate."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.progress.exclude(time.perf_counter() - start)
 
     def hold(self, step: int, metrics, diagnostics, floor: float | None) -> None:
         """Keep ``step``'s device metrics (with its batch's frequency floor) and diagnostics

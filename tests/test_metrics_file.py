@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from postnorm import json_numbers, train
+from postnorm import json_numbers, metrics, train
 from postnorm.data.files import write_json_atomic
 from postnorm.metrics import MetricsFileError, MetricWriter, read_jsonl, truncate_jsonl
 from tests.reliability_helpers import (
@@ -148,3 +148,16 @@ def test_nonfinite_values_are_written_as_text_and_read_back_as_floats(tmp_path):
     assert json.loads(text, **strict)["runs"][0]["ratio"] == "inf"
     back = json_numbers.from_text(json.loads(text))
     assert math.isnan(back["loss"]) and back["runs"] == [{"ratio": math.inf}, 1.0]
+
+
+def test_the_step_rate_leaves_out_the_excluded_time(monkeypatch):
+    clock = iter([100.0, 105.0, 108.0])
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    progress = metrics.Progress(total_steps=100, tokens_per_step=10, start_step=0)
+    assert progress.report(1, {"train/loss": 1.0, "train/lr": 0.1}, 0.5)[1] is None
+    progress.exclude(3.0)  # e.g. an eval and a compile between the two reports
+    line, tokens_per_s = progress.report(3, {"train/loss": 1.0, "train/lr": 0.1}, 0.5)
+    assert tokens_per_s == pytest.approx(10.0)  # 2 steps in 5 - 3 = 2 s, 10 tokens a step
+    assert "ETA 1m37s" in line  # 97 steps at 1 step/s
+    line, tokens_per_s = progress.report(4, {"train/loss": 1.0, "train/lr": 0.1}, 0.5)
+    assert tokens_per_s == pytest.approx(10 / 3)  # the exclusion held for one interval only
