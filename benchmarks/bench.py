@@ -48,6 +48,7 @@ from ml_collections import config_flags
 from benchmarks.programs import (
     PROGRAMS,
     build_programs,
+    check_benchmark_config,
     compile_afresh,
     device_memory,
     memory_analysis,
@@ -55,37 +56,46 @@ from benchmarks.programs import (
     transparent_hugepage_mode,
 )
 from postnorm.allocator import use_allocator
-from postnorm.config_args import apply_arg, parse_flags
-from postnorm.validation import check_backend, check_layout, check_model, check_opt
+from postnorm.config_args import ConfigArgError, apply_arg, parse_flags
+from postnorm.user_errors import exit_2_on_user_error
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 flags.DEFINE_list("programs", ["train", "diag"], f"Programs to time, from {list(PROGRAMS)}.")
 flags.DEFINE_multi_string("variant", [""], "Config overrides (a.b=v,c=d); repeat to compare.")
-flags.DEFINE_integer("repeats", 5, "Timed repeats of each program (after one warm-up).")
-flags.DEFINE_integer("vocab_size", 0, "Vocabulary size; 0: data.vocab_size.")
-flags.DEFINE_integer("peak_size", 2048, "Side of the square float32 matmul that measures peak.")
-flags.DEFINE_integer("peak_calls", 5, "Back-to-back peak matmuls per repeat; the fastest counts.")
+flags.DEFINE_integer("repeats", 5, "Timed repeats of each program (after one warm-up).",
+                     lower_bound=1)
+flags.DEFINE_integer("vocab_size", 0, "Vocabulary size; 0: data.vocab_size.", lower_bound=0)
+flags.DEFINE_integer("peak_size", 2048, "Side of the square float32 matmul that measures peak.",
+                     lower_bound=1)
+flags.DEFINE_integer("peak_calls", 5, "Back-to-back peak matmuls per repeat; the fastest counts.",
+                     lower_bound=1)
 flags.DEFINE_enum("peak_dtype", "float32", ["float32", "bfloat16"], "Dtype of the peak matmul.")
 flags.DEFINE_float("nominal_peak_tflops", 0.0, "Datasheet peak, TFLOP/s; 0: not reported.")
 FLAGS = flags.FLAGS
 
 
-def main(_):
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     unknown = sorted(set(FLAGS.programs) - set(PROGRAMS))
-    if unknown:
-        raise app.UsageError(f"--programs: unknown {unknown}; choose from {list(PROGRAMS)}")
+    if unknown or not FLAGS.programs:
+        raise app.UsageError(f"--programs={FLAGS.programs}: choose one or more of "
+                             f"{list(PROGRAMS)}")
+    if len(set(FLAGS.variant)) < len(FLAGS.variant):
+        raise app.UsageError(f"--variant: each variant once, not {FLAGS.variant}")
+    check_benchmark_config(FLAGS.config)
     allocator = use_allocator(FLAGS.config.runtime.allocator)  # may re-execute this command
     compile_afresh()
     variants, models = {}, {}
     for overrides in FLAGS.variant:
-        config = apply_arg(copy.deepcopy(FLAGS.config), overrides, {})
+        try:
+            config = apply_arg(copy.deepcopy(FLAGS.config), overrides, {})
+        except ConfigArgError as err:
+            raise app.UsageError(f"--variant={overrides!r}: {err}") from err
         if config.runtime != FLAGS.config.runtime:
             raise app.UsageError(f"--variant={overrides!r}: runtime.* is one per process; "
                                  "compare it in separate runs (--config FILE:runtime.allocator=X)")
-        check_model(config)  # the data fields are not read: the batches are random tokens
-        check_opt(config)
-        check_layout(config, device_count=jax.device_count(), process_count=1)
-        check_backend(config, platform=jax.default_backend())
+        check_benchmark_config(config)
         variants[overrides], models[overrides] = build_programs(
             config, FLAGS.programs, FLAGS.vocab_size or config.data.vocab_size)
 
@@ -128,10 +138,11 @@ def main(_):
                  "median_s": statistics.median(peak_times), "gflop_s": peak_flops_s / 1e9},
         "variants": results,
         "rss_bytes": psutil.Process().memory_info().rss,
-        "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "rss_peak_bytes": max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                              psutil.Process().memory_info().rss),
         "device_memory": device_memory(),
     }, indent=2))
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+    app.run(exit_2_on_user_error(main), flags_parser=parse_flags)

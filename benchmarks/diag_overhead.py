@@ -20,22 +20,27 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from benchmarks.programs import memory_analysis, random_batch
+from benchmarks.programs import check_benchmark_config, memory_analysis, random_batch
 from postnorm.allocator import use_allocator
 from postnorm.config_args import parse_flags
 from postnorm.model import ModelSpec
 from postnorm.optim import make_optimizer
 from postnorm.sharding import make_mesh
 from postnorm.step_builder import compile_steps
+from postnorm.user_errors import exit_2_on_user_error
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
-flags.DEFINE_integer("repeats", 15, "Timed repeats of each step.")
-flags.DEFINE_integer("vocab_size", 8192, "Vocabulary size (the data is random tokens).")
+flags.DEFINE_integer("repeats", 15, "Timed repeats of each step.", lower_bound=1)
+flags.DEFINE_integer("vocab_size", 8192, "Vocabulary size (the data is random tokens).",
+                     lower_bound=1)
 FLAGS = flags.FLAGS
 
 
-def main(_):
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     config = FLAGS.config
+    check_benchmark_config(config)
     allocator = use_allocator(config.runtime.allocator)  # may re-execute this command
     spec = ModelSpec.from_config(config.model, vocab_size=FLAGS.vocab_size,
                                  max_len=config.data.seq_len)
@@ -82,4 +87,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+    app.run(exit_2_on_user_error(main), flags_parser=parse_flags)

@@ -30,23 +30,33 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from benchmarks.op_groups import hlo_op_names, op_group
-from benchmarks.programs import random_batch
+from benchmarks.programs import check_benchmark_config, random_batch
 from postnorm.allocator import use_allocator
 from postnorm.config_args import parse_flags
 from postnorm.model import ModelSpec
 from postnorm.optim import make_optimizer
 from postnorm.sharding import make_mesh
 from postnorm.step_builder import compile_steps
+from postnorm.user_errors import exit_2_on_user_error
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 flags.DEFINE_string("trace_dir", "", "Where the trace goes; empty: a temporary directory.")
-flags.DEFINE_integer("top_ops", 12, "How many HLO op kinds to list by summed time.")
+flags.DEFINE_integer("top_ops", 12, "How many HLO op kinds to list by summed time.",
+                     lower_bound=0)
 flags.DEFINE_enum("program", "train", ["train", "diag"], "The step to profile.")
 FLAGS = flags.FLAGS
 
 
-def main(_):
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     config = FLAGS.config
+    check_benchmark_config(config)
+    trace_dir = FLAGS.trace_dir or tempfile.mkdtemp(prefix="postnorm_profile_")
+    try:
+        os.makedirs(trace_dir, exist_ok=True)
+    except OSError as err:
+        raise app.UsageError(f"--trace_dir={trace_dir} cannot be created ({err})") from err
     allocator = use_allocator(config.runtime.allocator)  # may re-execute this command
     spec = ModelSpec.from_config(config.model, vocab_size=config.data.vocab_size,
                                  max_len=config.data.seq_len)
@@ -61,7 +71,6 @@ def main(_):
         state, *_ = compiled(state, batch)
     jax.block_until_ready(state)
 
-    trace_dir = FLAGS.trace_dir or tempfile.mkdtemp(prefix="postnorm_profile_")
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         start = time.perf_counter()
         state, *_ = compiled(state, batch)
@@ -90,4 +99,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+    app.run(exit_2_on_user_error(main), flags_parser=parse_flags)

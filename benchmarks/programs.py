@@ -19,6 +19,16 @@ from postnorm.model import Decoder, ModelSpec
 from postnorm.optim import make_optimizer
 from postnorm.sharding import batch_sharding, make_mesh
 from postnorm.step_builder import compile_steps
+from postnorm.validation import (
+    ConfigError,
+    check_backend,
+    check_fields,
+    check_layout,
+    check_model,
+    check_opt,
+    check_runtime,
+    check_train,
+)
 
 PROGRAMS = ("train", "diag", "forward")
 THP_SETTING = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -102,6 +112,23 @@ class Program:
         self.page_faults.append(minor_page_faults() - faults)
         if self.carries_state:
             self.args = (result[0],) + self.args[1:]
+
+
+def check_benchmark_config(config: ml_collections.ConfigDict) -> None:
+    """A run's config checks (``postnorm.validation``), less the data source's: the batches
+    are random tokens of the config's shape. ``ConfigError`` names a bad field."""
+    check_fields(config)
+    check_runtime(config)
+    check_model(config)
+    check_backend(config, platform=jax.default_backend())
+    check_opt(config)
+    check_train(config)
+    check_layout(config, device_count=jax.device_count(), process_count=1)
+    for field, minimum in (("seq_len", 2), ("batch_size", 1)):
+        value = config.data[field]
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise ConfigError(f"data.{field}={value!r} is invalid: must be an integer >= "
+                              f"{minimum}")
 
 
 def random_tokens(config: ml_collections.ConfigDict, vocab: int) -> np.ndarray:

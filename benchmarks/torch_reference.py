@@ -37,6 +37,7 @@ from ml_collections import config_flags
 
 from benchmarks.programs import (
     build_programs,
+    check_benchmark_config,
     compile_afresh,
     minor_page_faults,
     random_tokens,
@@ -53,7 +54,7 @@ from benchmarks.torch_model import (
 from postnorm.allocator import use_allocator
 from postnorm.config_args import parse_flags
 from postnorm.model import ModelSpec
-from postnorm.validation import check_backend, check_model, check_opt
+from postnorm.user_errors import exit_2_on_user_error
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 flags.DEFINE_integer("repeats", 7, "Timed repeats of each step (after one warm-up).")
@@ -81,9 +82,7 @@ def main(_):
     config = FLAGS.config
     allocator = use_allocator(config.runtime.allocator)  # may re-execute this command
     compile_afresh()
-    check_model(config)
-    check_opt(config)
-    check_backend(config, platform=jax.default_backend())
+    check_benchmark_config(config)
     if jax.default_backend() != "cpu":
         raise app.UsageError(f"JAX runs on {jax.default_backend()}: the PyTorch reference "
                              "times CPU against CPU; hide the accelerator (JAX_PLATFORMS=cpu)")
@@ -170,4 +169,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+    app.run(exit_2_on_user_error(main), flags_parser=parse_flags)

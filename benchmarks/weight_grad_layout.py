@@ -20,12 +20,13 @@ from absl import app, flags
 
 from postnorm.layers import token_matmul
 
-flags.DEFINE_integer("batch", 16, "B.")
-flags.DEFINE_integer("length", 128, "L.")
-flags.DEFINE_integer("d_model", 64, "D.")
+flags.DEFINE_integer("batch", 16, "B.", lower_bound=1)
+flags.DEFINE_integer("length", 128, "L.", lower_bound=1)
+flags.DEFINE_integer("d_model", 64, "D.", lower_bound=1)
 flags.DEFINE_list("widths", ["64", "192", "384", "8192"], "F of each W [D, F] to time.")
-flags.DEFINE_integer("repeats", 9, "Interleaved repeats.")
-flags.DEFINE_integer("calls", 5, "Calls per repeat (their mean is the repeat's time).")
+flags.DEFINE_integer("repeats", 9, "Interleaved repeats.", lower_bound=1)
+flags.DEFINE_integer("calls", 5, "Calls per repeat (their mean is the repeat's time).",
+                     lower_bound=1)
 FLAGS = flags.FLAGS
 
 
@@ -39,7 +40,11 @@ def gradient_fns(g_BxLxF: jax.Array) -> dict:
             "flattened": jax.jit(jax.grad(loss(token_matmul), argnums=(0, 1)))}
 
 
-def main(_):
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not all(w.isdigit() and int(w) >= 1 for w in FLAGS.widths):
+        raise app.UsageError(f"--widths={FLAGS.widths}: each must be an integer >= 1")
     rng = np.random.default_rng(0)
     b, n, d = FLAGS.batch, FLAGS.length, FLAGS.d_model
     x = jnp.asarray(rng.normal(size=(b, n, d)), jnp.float32)

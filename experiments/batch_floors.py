@@ -15,6 +15,7 @@ final checkpoint on.
 
 import itertools
 
+import jax
 import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
@@ -23,11 +24,15 @@ from postnorm.config_args import parse_flags
 from postnorm.data import load_data
 from postnorm.data.lfreq import frequency_floor
 from postnorm.json_numbers import dumps
+from postnorm.user_errors import exit_2_on_user_error
+from postnorm.validation import check_config
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Config whose data is read.")
-flags.DEFINE_list("seeds", ["0"], "Data-order seeds.")
-flags.DEFINE_integer("steps", None, "Batches per seed; default train.steps.")
-flags.DEFINE_list("next", [], "Counts K of batches after --steps whose mean floor to print.")
+flags.DEFINE_list("seeds", ["0"], "Data-order seeds (integers in [0, 2**31)).")
+flags.DEFINE_integer("steps", None, "Batches per seed (at least 2); default train.steps.",
+                     lower_bound=2)
+flags.DEFINE_list("next", [], "Counts K >= 1 of batches after --steps whose mean floor to "
+                  "print.")
 FLAGS = flags.FLAGS
 
 
@@ -39,16 +44,26 @@ def floors_per_step(config, seed: int, steps: int) -> np.ndarray:
                      for batch in itertools.islice(batches, steps)])
 
 
+def _integers(name: str, values: list[str], minimum: int) -> list[int]:
+    if not all(v.isdigit() and minimum <= int(v) < 2**31 for v in values):
+        raise app.UsageError(f"--{name}={values}: each must be an integer in [{minimum}, 2**31)")
+    return [int(v) for v in values]
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     config = FLAGS.config
+    check_config(config, device_count=jax.device_count())
     steps = FLAGS.steps or config.train.steps
+    if steps < 2:
+        raise app.UsageError(f"train.steps={steps}: the floors' sd needs --steps >= 2")
+    seeds, next_counts = _integers("seeds", FLAGS.seeds, 0), _integers("next", FLAGS.next, 1)
     every = config.train.log_every
-    last_logged = [s for s in range(steps, 0, -1) if s % every == 0 or s == steps][:3]
+    # the trainer logs every log_every steps, the first and the last
+    last_logged = [s for s in range(steps, 0, -1) if s % every == 0 or s in (1, steps)][:3]
     out = {"lfreq": load_data(config.data).lfreq, "steps": steps, "seeds": {}}
-    next_counts = [int(k) for k in FLAGS.next]
-    for seed in (int(s) for s in FLAGS.seeds):
+    for seed in seeds:
         floors_all = floors_per_step(config, seed, steps + max(next_counts, default=0))
         floors_S, floors_next = floors_all[:steps], floors_all[steps:]
         out["seeds"][seed] = {
@@ -61,4 +76,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=parse_flags)
+    app.run(exit_2_on_user_error(main), flags_parser=parse_flags)

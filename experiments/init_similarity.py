@@ -44,19 +44,21 @@ from absl import app, flags, logging
 from configs import default, paper
 from postnorm import theory, theory_mc
 from postnorm.allocator import use_allocator
-from postnorm.data import load_data
+from postnorm.data import DataError, load_data
 from postnorm.data.files import write_json_atomic
 from postnorm.initializers import INIT_SCHEMES, embedding_init
 from postnorm.json_numbers import dumps
 from postnorm.model import ModelSpec
+from postnorm.user_errors import exit_2_on_user_error
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 flags.DEFINE_string("out_dir", None, "Directory for the CSV, JSON, markdown and PNG outputs.")
-flags.DEFINE_integer("seeds", 4, "Seeds (weight draws) per norm placement and input.")
-flags.DEFINE_integer("n_layers", 48, "Layers of the stack.")
-flags.DEFINE_integer("seq_len", 2048, "Tokens per sequence n.")
+flags.DEFINE_integer("seeds", 4, "Seeds (weight draws) per norm placement and input.",
+                     lower_bound=1)
+flags.DEFINE_integer("n_layers", 48, "Layers of the stack.", lower_bound=1)
+flags.DEFINE_integer("seq_len", 2048, "Tokens per sequence n.", lower_bound=2)
 flags.DEFINE_enum("init", "torch_default", list(INIT_SCHEMES), "Weight initialisation scheme.")
 flags.DEFINE_list("norms", ["post", "pre"], "Norm placements to run.")
 flags.DEFINE_list("inputs", ["real", "gaussian"], "Inputs: real sequences and/or iid N(0,1).")
@@ -226,7 +228,7 @@ def write_markdown(path: str, meta: dict, results: dict, figures: dict) -> None:
              f"Model: {meta['model']}; seeds {meta['seeds']}; s reading `{meta['s_reading']}`; "
              f"nominal s = {meta['amounts']['s']:.4f}, xi = {meta['amounts']['xi']:.4f}, "
              f"a = {meta['amounts']['a']:.4f}, xi m(1) = {meta['amounts']['xi_m1']:.5f}.", "",
-             f"Wall time {meta['wall_s']:.0f} s; peak RSS {meta['peak_rss_mb']:.0f} MB.", "",
+             f"Wall time {meta['wall_s']:.0f} s; peak RSS {meta['peak_rss_mib']:.0f} MiB.", "",
              "## Amounts per init scheme (theory, this width)", ""]
     lines += _markdown_table(
         ["init", "s (W_VO)", "s (W_V only)", "xi", "a", "m(1)", "xi m(1)"],
@@ -238,7 +240,7 @@ def write_markdown(path: str, meta: dict, results: dict, figures: dict) -> None:
               "against the closed form at the measured (t, s); means over seeds.", ""]
     header = ["norm/input", "tsim in", "tsim final", "mean-field", "scalar", "min d_attn",
               "worst pm err (layer)", "worst direct err (layer)", "worst pm err, uniform attn",
-              "mean-field EC gap (layer)", "|dFFN|/dattn med (max)",
+              "mean-field EC gap (layer)", r"\|dFFN\| / dattn med (max)",
               "FFN energy (xi m1)", "ablation final"]
     rows = []
     for (norm, source), fig in figures.items():
@@ -252,7 +254,8 @@ def write_markdown(path: str, meta: dict, results: dict, figures: dict) -> None:
                      _optional(fig, "worst_rel_err_attn_meanfield", "worst_layer_attn_meanfield"),
                      f"{fig['ffn_over_attn_median']:.3f} ({fig['ffn_over_attn_max']:.3f})",
                      f"{fig['xi_m1_measured_mean']:.5f} ({meta['amounts']['xi_m1']:.5f})",
-                     f"{fig.get('ablation_tsim_final', float('nan')):.4f}"])
+                     (f"{fig['ablation_tsim_final']:.4f}" if "ablation_tsim_final" in fig
+                      else "-")])
     lines += _markdown_table(header, rows)
     for (norm, source), agg in results.items():
         n_layers = len(agg["t_attn"])
@@ -319,7 +322,13 @@ def real_sequences(config: ml_collections.ConfigDict, count: int) -> list[np.nda
     tokenizer's."""
     data = load_data(config.data)
     config.data.vocab_size = data.tokenizer.vocab_size
-    return [b["inputs"] for b in data.eval_batches(batch_size=1, num_batches=count)]
+    try:
+        batches = data.eval_batches(batch_size=1, num_batches=count)
+    except DataError as err:
+        raise DataError(f"the real inputs need --seeds={count} validation sequences of "
+                        f"--seq_len={config.data.seq_len} tokens, and {data.info['path']} has "
+                        "fewer: lower --seeds or --seq_len, or use --inputs=gaussian") from err
+    return [b["inputs"] for b in batches]
 
 
 def run(config: ml_collections.ConfigDict, *, seeds: int, norms: list[str], inputs: list[str],
@@ -362,9 +371,13 @@ def main(argv: list[str]) -> None:
         raise app.UsageError("--out_dir is required")
     for values, allowed, name in ((FLAGS.norms, theory.NORM_PLACEMENTS, "norms"),
                                   (FLAGS.inputs, INPUTS, "inputs")):
-        if not values or set(values) - set(allowed):
-            raise app.UsageError(f"--{name}={values} must be a non-empty subset of {allowed}")
-    os.makedirs(FLAGS.out_dir, exist_ok=True)
+        if not values or set(values) - set(allowed) or len(set(values)) < len(values):
+            raise app.UsageError(f"--{name}={values} must be a non-empty subset of {allowed}, "
+                                 "each named once")
+    try:
+        os.makedirs(FLAGS.out_dir, exist_ok=True)
+    except OSError as err:
+        raise app.UsageError(f"--out_dir={FLAGS.out_dir} cannot be created ({err})") from err
     start = time.perf_counter()
     config = build_config(FLAGS.n_layers, FLAGS.seq_len, FLAGS.init)
     use_allocator(config.runtime.allocator)  # may re-execute this command
@@ -380,16 +393,16 @@ def main(argv: list[str]) -> None:
         "amounts": {"s": amt.s, "xi": amt.xi, "a": amt.a, "xi_m1": amt.xi_m1},
         "amounts_table": amounts_table(m.d_model, m.d_ff),
         "wall_s": time.perf_counter() - start,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
         "figures": {f"{norm}/{source}": fig for (norm, source), fig in figures.items()},
     }
     write_csv(os.path.join(FLAGS.out_dir, "layers.csv"), results)
     write_json_atomic(os.path.join(FLAGS.out_dir, "summary.json"), meta)
     write_markdown(os.path.join(FLAGS.out_dir, "summary.md"), meta, results, figures)
     plot(os.path.join(FLAGS.out_dir, "init_similarity.png"), results)
-    print(dumps({"wall_s": meta["wall_s"], "peak_rss_mb": meta["peak_rss_mb"],
+    print(dumps({"wall_s": meta["wall_s"], "peak_rss_mib": meta["peak_rss_mib"],
                       "figures": meta["figures"]}, indent=1))
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(exit_2_on_user_error(main))

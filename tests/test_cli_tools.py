@@ -1,0 +1,78 @@
+"""The experiment and benchmark scripts: their outputs agree with each other, and bad input is
+one line with exit 2 (config) or 1 (flags), before anything is compiled."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.reliability_helpers import REPO, config_flag, subprocess_env, write_corpus
+
+TINY = ("configs/default.py:model.n_layers=2,model.d_model=32,model.d_ff=96,data.seq_len=32,"
+        "data.batch_size=4")
+
+
+def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env=subprocess_env(None))
+
+
+def table_rows(markdown: str, heading: str) -> list[list[str]]:
+    """The cells of the first table after ``heading`` (``\\|`` is a literal pipe)."""
+    lines = markdown.split(heading, 1)[1].splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    end = next((i for i in range(first, len(lines)) if not lines[i].startswith("|")), len(lines))
+    rows = lines[first:end]
+    return [[c.strip() for c in line.replace("\\|", "¦").strip("|").split("|")] for line in rows]
+
+
+def test_init_similarity_outputs_agree(tmp_path):
+    result = run_module("experiments.init_similarity", "--out_dir", str(tmp_path),
+                        "--n_layers", "3", "--seq_len", "64", "--seeds", "2", "--norms",
+                        "post,pre", "--inputs", "gaussian", "--nouniform_check")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    rows = table_rows((tmp_path / "summary.md").read_text(), "## Summary")
+    assert len({len(row) for row in rows}) == 1  # header, separator and rows alike
+    header, _, *body = rows
+    by_row = {row[0]: dict(zip(header, row, strict=True)) for row in body}
+    with open(tmp_path / "layers.csv") as f:
+        layers = list(csv.DictReader(f))
+    for norm in ("post", "pre"):
+        last = [r for r in layers if r["norm"] == norm][-1]
+        final = summary["figures"][f"{norm}/gaussian"]["tsim_final"]
+        assert float(last["t_out"]) == pytest.approx(final, rel=1e-6)
+        assert by_row[f"{norm}/gaussian"]["tsim final"].startswith(f"{final:.4f}+-")
+    assert by_row["pre/gaussian"]["ablation final"] == "-"
+
+
+def test_batch_floors_counts_the_first_logged_step(tmp_path):
+    flag = config_flag(write_corpus(tmp_path / "corpus"), tmp_path / "tfds", train__steps=20,
+                       train__log_every=10)
+    result = run_module("experiments.batch_floors", "--config", flag)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout[result.stdout.index("{\n"):]  # after TFDS's preparation lines
+    seed = json.loads(output)["seeds"]["0"]
+    assert seed["last_logged_steps"] == [1, 10, 20]  # the trainer logs step 1 too
+
+
+@pytest.mark.parametrize("module,args,code,message", [
+    ("benchmarks.bench", [f"--config={TINY},model.norm=sandwich"], 2,
+     "postnorm: error: model.norm='sandwich' is invalid"),
+    ("benchmarks.diag_overhead", [f"--config={TINY},model.remat=bogus"], 2,
+     "postnorm: error: model.remat='bogus' is invalid"),
+    ("benchmarks.profile_step", [f"--config={TINY},data.batch_size=0"], 2,
+     "postnorm: error: data.batch_size=0 is invalid"),
+    ("benchmarks.bench", [f"--config={TINY}", "--variant=model.bogus=3"], 1,
+     "--variant='model.bogus=3': unknown config key 'model.bogus'"),
+    ("benchmarks.bench", [f"--config={TINY}", "--programs", "train", "diag"], 1,
+     "unexpected arguments: ['diag']"),
+    ("experiments.init_similarity", ["--out_dir=/dev/null/x", "--inputs=gaussian"], 1,
+     "--out_dir=/dev/null/x cannot be created"),
+])
+def test_bad_input_is_one_line_before_compiling(module, args, code, message):
+    result = run_module(module, *args)
+    assert result.returncode == code, result.stderr[-3000:]
+    assert message in result.stderr and "Traceback" not in result.stderr
