@@ -47,6 +47,9 @@ def _complete_lines(path: str) -> list[tuple[bytes, dict]]:
             record = from_text(json.loads(line.decode("utf-8")))
             if not isinstance(record, dict) or not isinstance(record.get("step"), int):
                 raise ValueError("no integer 'step'")
+            for key, value in record.items():
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise ValueError(f"{key} is {value!r}, not a number")
         except ValueError as err:  # JSONDecodeError and UnicodeDecodeError included
             raise MetricsFileError(
                 f"{path} line {number} is not a step's JSON record ({err}); delete that line "

@@ -28,6 +28,8 @@ GOOD = b'{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n'
     (GOOD + b"\x82\x00\xff junk\n", 3, "can't decode byte 0x82"),
     (GOOD + b'{"loss": 3.0}\n', 3, "no integer 'step'"),
     (GOOD + b"[1, 2]\n", 3, "no integer 'step'"),
+    (b'{"step": 1, "train/loss": "abc"}\n' + GOOD, 1, "train/loss is 'abc', not a number"),
+    (GOOD + b'{"step": 3, "a": [1]}\n', 3, r"a is \[1\], not a number"),
 ])
 def test_a_damaged_line_is_named_and_the_file_is_left_as_it_was(tmp_path, damage, line, reason):
     path = tmp_path / "metrics.jsonl"
