@@ -7,6 +7,7 @@ the parameters from before the step, with the first layer whose forward statisti
 non-finite.
 """
 
+import glob
 import json
 import math
 import os
@@ -17,6 +18,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from postnorm.diag_step import TAP_NORM_NAMES
+
+DUMP_PATTERN = "nonfinite_step_*.json"
+EARLIER_ATTEMPTS = "earlier_attempts"  # where a fresh start keeps the dumps it found
 
 # Diagnostic names that are not forward statistics of the residual stream.
 _NOT_FORWARD = (*TAP_NORM_NAMES, "param_norm", "grad_norm", "update_norm")
@@ -91,3 +95,17 @@ def write_nonfinite_dump(workdir: str, step: int, iterator_state: dict,
         json.dump(_json_value(record), f, indent=1, allow_nan=False)
     os.replace(tmp, path)
     return path
+
+
+def set_aside_dumps(workdir: str) -> list[str]:
+    """Move the dumps in ``workdir`` into ``<workdir>/earlier_attempts/`` (kept, not deleted):
+    a run starting afresh from step 0 is not the attempt that wrote them. Returns the new
+    paths."""
+    moved = []
+    for path in sorted(glob.glob(os.path.join(workdir, DUMP_PATTERN))):
+        target_dir = os.path.join(workdir, EARLIER_ATTEMPTS)
+        os.makedirs(target_dir, exist_ok=True)
+        target = os.path.join(target_dir, os.path.basename(path))
+        os.replace(path, target)
+        moved.append(target)
+    return moved

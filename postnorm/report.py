@@ -26,6 +26,7 @@ from postnorm.collapse import (
 )
 from postnorm.collapse_plots import render_collapse_figures
 from postnorm.data.files import replace_file
+from postnorm.forensics import DUMP_PATTERN
 from postnorm.json_numbers import from_text
 from postnorm.plots import layer_series, plot_heatmaps, read_metrics
 from postnorm.run_config import config_path, read_run_config
@@ -80,7 +81,7 @@ def run_warnings(workdir: str, records: list[dict], collapse: Collapse | None,
     skipped = [r["train/skipped_steps"] for r in records if "train/skipped_steps" in r]
     if skipped and skipped[-1] > 0:
         warnings.append(f"{int(skipped[-1])} non-finite steps were skipped (train.nonfinite=skip).")
-    for dump in sorted(glob.glob(os.path.join(workdir, "nonfinite_step_*.json"))):
+    for dump in sorted(glob.glob(os.path.join(workdir, DUMP_PATTERN))):
         warnings.append(f"Non-finite step dump present: {os.path.basename(dump)}.")
     series = layer_series(records)
     if "dldx_norm_attn" in series:
@@ -144,9 +145,10 @@ def build_report(workdir: str, fallback_config: dict | None = None,
     lfreq = lfreq_of(records)
     train_S = train_loss_and_floor(records)
     floor = loss_and_floor_at(train_S, train_S[-1][0], rule.loss_smoothing)
+    model = {k: config["model"].get(k, "?") for k in ("norm", "n_layers", "d_model")}
     summary = [("workdir", os.path.abspath(workdir)),
-               ("model", f"{config['model']['norm']}-norm, {config['model']['n_layers']} layers, "
-                         f"d={config['model']['d_model']}"),
+               ("model", f"{model['norm']}-norm, {model['n_layers']} layers, "
+                         f"d={model['d_model']}"),
                ("last logged step", train[-1][0]),
                ("train loss at the last logged step", train[-1][1]),
                ("final eval loss", evals[-1] if evals else None), ("L_freq", lfreq),
@@ -179,8 +181,14 @@ def build_report(workdir: str, fallback_config: dict | None = None,
     parts += ["<h2>Layer x step heatmaps</h2>"] + [_img(p) for p in heatmaps]
     thm_path = os.path.join(workdir, "thm38.json")
     if os.path.exists(thm_path):
-        with open(thm_path) as f:
-            parts.append(_thm38_section(from_text(json.load(f))))
+        try:
+            with open(thm_path) as f:
+                parts.append(_thm38_section(from_text(json.load(f))))
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
+            parts.append(f'<h2>Theorem 3.8 on the final checkpoint</h2><p class="warn">'
+                         f"{html.escape(thm_path)} is unreadable or incomplete "
+                         f"({html.escape(type(err).__name__)}: {html.escape(str(err))}): "
+                         "rerun experiments/collapse.py to measure it again.</p>")
     parts += ["<h2>Config</h2>", f"<pre>{html.escape(json.dumps(config, indent=2))}</pre>",
               "</body></html>"]
     return "\n".join(parts)

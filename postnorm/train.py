@@ -36,7 +36,7 @@ from postnorm.data import DataError, LMData, load_data
 from postnorm.data.files import write_json_atomic
 from postnorm.data.lfreq import frequency_floor
 from postnorm.diag_step import flatten_diagnostics
-from postnorm.forensics import write_nonfinite_dump
+from postnorm.forensics import set_aside_dumps, write_nonfinite_dump
 from postnorm.metrics import JSONL_NAME, MetricsFileError, MetricWriter, Progress, truncate_jsonl
 from postnorm.model import ModelSpec, param_count_formula
 from postnorm.nonfinite import GuardedState, NonFiniteError
@@ -224,6 +224,9 @@ def _train_holding_the_lock(config: ml_collections.ConfigDict, workdir: str) -> 
             write_json_atomic(os.path.join(workdir, DATA_INFO_NAME), exp.data.info)
         state, start, data_iter = _restore_or_init(exp, ckpt)
         if jax.process_index() == 0:
+            if start == 0:  # an earlier attempt's non-finite dumps are not this run's
+                for path in set_aside_dumps(workdir):
+                    logging.info("starting afresh: an earlier attempt's dump moved to %s", path)
             parameter_overview.log_parameter_overview(state.params)
         reporter = _Reporter(workdir, config.data.batch_size * config.data.seq_len,
                              config.train.steps, exp.data.lfreq)

@@ -131,7 +131,7 @@ def setup(tmp_path_factory):
 
 def _run(setup, workdir, **overrides):
     corpus, data_dir, cache = setup
-    flag = config_flag(corpus, data_dir, train__steps=STEPS, opt__lr=1e30, **overrides)
+    flag = config_flag(corpus, data_dir, **{"train__steps": STEPS, "opt__lr": 1e30, **overrides})
     return run_main("--config", flag, "--workdir", str(workdir), cache_dir=cache)
 
 
@@ -184,6 +184,12 @@ def test_abort_drops_the_records_of_the_steps_after_the_halted_one(setup, tmp_pa
     assert result.returncode == 3, result.stderr[-3000:]
     assert "step 3 has a non-finite loss" in result.stderr
     assert [r["step"] for r in read_records(workdir)] == [1, 2]
+
+    # Nothing was checkpointed, so a corrected config starts afresh; the dump is kept aside.
+    result = _run(setup, workdir, train__log_every=2, train__ckpt_every=8, opt__lr=1e-3)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not list(workdir.glob("nonfinite_step_*.json"))
+    assert _dump(workdir / "earlier_attempts", 3)["step"] == 3
 
 
 @pytest.mark.slow

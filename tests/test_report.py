@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from configs.default import get_config
-from postnorm import report
+from postnorm import forensics, report
 from postnorm.metrics import layer_key
 from postnorm.plots import render_run_plots
 
@@ -108,3 +108,23 @@ def test_the_report_leaves_the_runs_own_plots_as_they_were(tmp_path):
     assert {p.name: p.read_bytes() for p in (tmp_path / "plots").glob("*.png")} == before
     assert sorted(p.stem for p in (tmp_path / "plots" / "report").glob("*.png")) == sorted(FIGURES)
     assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_a_damaged_thm38_record_or_sparse_config_is_reported_not_fatal(tmp_path):
+    write_run(tmp_path)
+    for text in ("{bad", "{}"):
+        (tmp_path / "thm38.json").write_text(text)
+        html_text = report.build_report(str(tmp_path))
+        assert re.search(f"{tmp_path}/thm38.json is unreadable or incomplete .*rerun "
+                         "experiments/collapse.py", html_text)
+    (tmp_path / "config.json").write_text('{"model": {"norm": "post"}}')
+    assert "<td>post-norm, ? layers, d=?</td>" in report.build_report(str(tmp_path))
+
+
+def test_dumps_of_an_earlier_attempt_are_set_aside_by_a_fresh_start(tmp_path):
+    (tmp_path / "nonfinite_step_3.json").write_text("{}")
+    assert forensics.set_aside_dumps(str(tmp_path)) == [
+        f"{tmp_path}/earlier_attempts/nonfinite_step_3.json"]
+    assert (tmp_path / "earlier_attempts" / "nonfinite_step_3.json").read_text() == "{}"
+    write_run(tmp_path, skipped=0)
+    assert "Non-finite step dump" not in report.build_report(str(tmp_path))
