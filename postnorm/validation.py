@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import jax
 import ml_collections
+from absl import logging
 
 from configs.default import base_config
 from postnorm.allocator import ALLOCATORS
@@ -114,6 +115,17 @@ def check_train(config: ml_collections.ConfigDict) -> None:
     _require(config, "seed", lambda v: _is_int(v) and 0 <= v < 2**31, "an integer in [0, 2**31)")
 
 
+def warn_about_the_schedule(config: ml_collections.ConfigDict) -> None:
+    """Logs a warning when the warmup outlasts the run (valid, but seldom meant: the learning
+    rate never reaches opt.lr)."""
+    warmup, steps = config.opt.warmup_steps, config.train.steps
+    if warmup > steps:
+        logging.warning("opt.warmup_steps=%d exceeds train.steps=%d: the learning rate rises to "
+                        "only %.3g of opt.lr=%g and the %s schedule after the warmup never "
+                        "starts", warmup, steps, steps / warmup, config.opt.lr,
+                        config.opt.schedule)
+
+
 def check_layout(config: ml_collections.ConfigDict, *, device_count: int,
                  process_count: int) -> None:
     """Mesh shape against the devices, and batch divisibility over the mesh and processes."""
@@ -194,5 +206,6 @@ def check_config(config: ml_collections.ConfigDict, *, device_count: int,
     check_backend(config, platform=platform or jax.default_backend())
     check_opt(config)
     check_train(config)
+    warn_about_the_schedule(config)
     check_layout(config, device_count=device_count, process_count=process_count)
     check_data_config(config.data)

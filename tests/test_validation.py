@@ -181,3 +181,15 @@ def test_cudnn_attention_needs_a_gpu():
     with pytest.raises(ConfigError, match="model.attention='cudnn' needs a GPU, but JAX runs on"):
         check_config(config, device_count=8, platform="cpu")
     check_config(config, device_count=8, platform="gpu")
+
+
+def test_a_warmup_longer_than_the_run_is_warned_about(caplog):
+    config = _valid_config()
+    config.train.steps, config.opt.warmup_steps = 10, 40
+    check_config(config, device_count=8)
+    assert "opt.warmup_steps=40 exceeds train.steps=10: the learning rate rises to only 0.25 " \
+        "of opt.lr=0.001" in caplog.text
+    caplog.clear()
+    config.opt.warmup_steps = 10
+    check_config(config, device_count=8)
+    assert "warmup" not in caplog.text
