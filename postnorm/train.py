@@ -37,7 +37,14 @@ from postnorm.data.files import write_json_atomic
 from postnorm.data.lfreq import frequency_floor
 from postnorm.diag_step import flatten_diagnostics
 from postnorm.forensics import set_aside_dumps, write_nonfinite_dump
-from postnorm.metrics import JSONL_NAME, MetricsFileError, MetricWriter, Progress, truncate_jsonl
+from postnorm.metrics import (
+    JSONL_NAME,
+    MetricsFileError,
+    MetricWriter,
+    Progress,
+    read_jsonl,
+    truncate_jsonl,
+)
 from postnorm.model import ModelSpec, param_count_formula
 from postnorm.nonfinite import GuardedState, NonFiniteError
 from postnorm.optim import make_optimizer
@@ -215,6 +222,9 @@ def _train_holding_the_lock(config: ml_collections.ConfigDict, workdir: str) -> 
     """``train_and_evaluate`` once ``workdir`` is this run's alone."""
     # Again under the lock: a run that held it may have recorded a config since the check.
     _stop_together(lambda: check_run_config(workdir, config))
+    metrics_path = os.path.join(workdir, JSONL_NAME)  # damaged: refused before any compile
+    _stop_together(lambda: read_jsonl(metrics_path)
+                   if jax.process_index() == 0 and os.path.exists(metrics_path) else None)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), save_every=config.train.ckpt_every,
                         keep=config.train.keep_ckpts)
     try:

@@ -163,3 +163,17 @@ def test_the_step_rate_leaves_out_the_excluded_time(monkeypatch):
     assert "ETA 1m37s" in line  # 97 steps at 1 step/s
     line, tokens_per_s = progress.report(4, {"train/loss": 1.0, "train/lr": 0.1}, 0.5)
     assert tokens_per_s == pytest.approx(10 / 3)  # the exclusion held for one interval only
+
+
+def test_a_damaged_metrics_file_stops_training_before_anything_is_built(tmp_path, monkeypatch):
+    def build(*args, **kwargs):
+        raise AssertionError("the experiment was built before the metrics file was checked")
+
+    monkeypatch.setattr(train, "build_experiment", build)
+    config = tiny_config(write_corpus(tmp_path / "corpus"), tmp_path / "tfds")
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "metrics.jsonl").write_bytes(b'{"step": 1, "a": 1}\nnot json\n')
+    with pytest.raises(MetricsFileError, match="line 2 is not a step's JSON record"):
+        train.train_and_evaluate(config, str(workdir))
+    assert (workdir / "metrics.jsonl").read_bytes() == b'{"step": 1, "a": 1}\nnot json\n'
