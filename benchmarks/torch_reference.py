@@ -78,7 +78,9 @@ def profile_step(step_fn: Callable[[], None], top: int) -> dict:
             "other_self_s": sum(by_op.values()) - sum(largest.values())}
 
 
-def main(_):
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     config = FLAGS.config
     allocator = use_allocator(config.runtime.allocator)  # may re-execute this command
     compile_afresh()
