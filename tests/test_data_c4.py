@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from postnorm.data import DataError, check_data_config, load_data
+from postnorm.data import DataError, check_data_config, files, load_data
 from tests.test_data_pipeline import WORDS, make_config, window_stream
 
 NUM_TRAIN, NUM_VALIDATION = 60, 10
@@ -164,3 +164,21 @@ def test_a_truncated_shard_is_a_data_error_when_read(c4_data_dir, tmp_path, kept
         batches = lm.train_iterator(batch_size=4, seed=0)
         for _ in range(2 * NUM_TRAIN):
             next(batches)
+
+
+def test_a_read_only_c4_folder_loses_only_the_caches(c4_data_dir, tmp_path, monkeypatch):
+    """C4 often lies on read-only storage: L_freq is then computed without its cache, and a
+    tokenizer that would have to be trained and stored there is asked for instead."""
+    version_dir = damaged_copy(c4_data_dir, tmp_path, lambda v: None)
+
+    def read_only(path, data):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(files, "replace_file", read_only)
+    lm = load_data(c4_config(tmp_path, tokenizer="byte", lfreq_sample_docs=5))
+    assert lm.lfreq == load_data(c4_config(c4_data_dir, tokenizer="byte",
+                                           lfreq_sample_docs=5)).lfreq
+    assert not list(version_dir.glob("lfreq_*.json"))
+    with pytest.raises(DataError, match=f"the trained tokenizer cannot be stored at "
+                                        f"{version_dir}/tokenizer_spm_.*data.tokenizer_path"):
+        load_data(c4_config(tmp_path, lfreq_sample_docs=5))

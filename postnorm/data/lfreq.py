@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 from absl import logging
 
+from postnorm.data.errors import DataError
 from postnorm.data.files import write_json_atomic
 from postnorm.data.sources import PreparedSource
 from postnorm.data.tokenizers import Tokenizer
@@ -102,17 +103,21 @@ def get_unigram(source: PreparedSource, tokenizer: Tokenizer, sample_docs: int =
     start = time.perf_counter()
     counts = target_token_counts(source.texts("train", num_docs), tokenizer)
     lfreq = unigram_entropy(counts)
-    write_json_atomic(
-        path,
-        {
-            "lfreq": lfreq,
-            "num_docs": num_docs,
-            "num_tokens": int(counts.sum()),
-            "tokenizer": tokenizer.name,
-            "fingerprint": source.fingerprint,
-            "counts": counts.tolist(),
-        },
-    )
+    try:
+        write_json_atomic(
+            path,
+            {
+                "lfreq": lfreq,
+                "num_docs": num_docs,
+                "num_tokens": int(counts.sum()),
+                "tokenizer": tokenizer.name,
+                "fingerprint": source.fingerprint,
+                "counts": counts.tolist(),
+            },
+        )
+    except DataError as err:  # a read-only dataset folder: the cache only saves time
+        logging.warning("L_freq could not be cached at %s (%s): it is computed again at the "
+                        "next start", path, err)
     logging.info(
         "L_freq = %.4f nats/token from %d tokens of %d training docs (%.1f s) -> %s",
         lfreq, counts.sum(), num_docs, time.perf_counter() - start, path,

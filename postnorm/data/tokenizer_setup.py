@@ -7,6 +7,7 @@ import ml_collections
 from absl import logging
 
 from postnorm.data import spm_training
+from postnorm.data.errors import DataError
 from postnorm.data.files import write_bytes_atomic
 from postnorm.data.sources import PreparedSource
 from postnorm.data.tokenizers import (
@@ -26,7 +27,12 @@ def _train(source: PreparedSource, vocab_size: int, path: Path) -> None:
     start = time.perf_counter()
     sentences = spm_training.training_sentences(source.texts("train"))
     model_proto = spm_training.train_sentencepiece(sentences, vocab_size)
-    write_bytes_atomic(path, model_proto)
+    try:
+        write_bytes_atomic(path, model_proto)
+    except DataError as err:
+        raise DataError(f"the trained tokenizer cannot be stored at {path} "
+                        f"({err.__cause__}): make that folder writable, or give a "
+                        "SentencePiece model as data.tokenizer_path") from err
     logging.info(
         "Trained SentencePiece (vocab %d) on %d lines (%d chars) in %.1f s -> %s",
         vocab_size, len(sentences), sum(map(len, sentences)), time.perf_counter() - start, path,
