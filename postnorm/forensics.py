@@ -105,7 +105,11 @@ def set_aside_dumps(workdir: str) -> list[str]:
     for path in sorted(glob.glob(os.path.join(workdir, DUMP_PATTERN))):
         target_dir = os.path.join(workdir, EARLIER_ATTEMPTS)
         os.makedirs(target_dir, exist_ok=True)
-        target = os.path.join(target_dir, os.path.basename(path))
-        os.replace(path, target)
+        stem = os.path.basename(path).removesuffix(".json")
+        target, k = os.path.join(target_dir, f"{stem}.json"), 0
+        while os.path.exists(target):  # an older attempt's dump of the same step is kept
+            k += 1
+            target = os.path.join(target_dir, f"{stem}-{k}.json")
+        os.rename(path, target)
         moved.append(target)
     return moved

@@ -212,6 +212,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         lock.release()
 
 
+def _record_run(workdir: str, config: ml_collections.ConfigDict, data_info: dict,
+                start: int) -> None:
+    """Record the run's config and data (process 0); a run starting afresh sets an earlier
+    attempt's non-finite dumps aside, as they are not its own."""
+    write_run_config(workdir, config)
+    write_json_atomic(os.path.join(workdir, DATA_INFO_NAME), data_info)
+    if start == 0:
+        for path in set_aside_dumps(workdir):
+            logging.info("starting afresh: an earlier attempt's dump moved to %s", path)
+
+
 def _check_resumed_data(workdir: str, config: ml_collections.ConfigDict, data: LMData) -> None:
     """A run with a checkpoint resumes only on the data it was trained on."""
     if latest_checkpoint_step(workdir) is not None:
@@ -229,14 +240,10 @@ def _train_holding_the_lock(config: ml_collections.ConfigDict, workdir: str) -> 
                         keep=config.train.keep_ckpts)
     try:
         exp = build_experiment(config, lambda data: _check_resumed_data(workdir, config, data))
-        if jax.process_index() == 0:
-            write_run_config(workdir, config)
-            write_json_atomic(os.path.join(workdir, DATA_INFO_NAME), exp.data.info)
         state, start, data_iter = _restore_or_init(exp, ckpt)
+        _stop_together(lambda: _record_run(workdir, config, exp.data.info, start)
+                       if jax.process_index() == 0 else None)
         if jax.process_index() == 0:
-            if start == 0:  # an earlier attempt's non-finite dumps are not this run's
-                for path in set_aside_dumps(workdir):
-                    logging.info("starting afresh: an earlier attempt's dump moved to %s", path)
             parameter_overview.log_parameter_overview(state.params)
         reporter = _Reporter(workdir, config.data.batch_size * config.data.seq_len,
                              config.train.steps, exp.data.lfreq)

@@ -152,14 +152,28 @@ def test_damaged_c4_files_are_named(c4_data_dir, tmp_path):
 
 
 @pytest.mark.parametrize("kept", [0.5, 0.9])
-def test_a_truncated_shard_is_a_data_error_when_read(c4_data_dir, tmp_path, kept):
+def test_a_truncated_shard_is_found_when_the_data_is_loaded(c4_data_dir, tmp_path, kept):
     def truncate(v: Path) -> None:
         path = next(v.glob("c4-train.array_record-*"))
         path.write_bytes(path.read_bytes()[: int(path.stat().st_size * kept)])
 
     version_dir = damaged_copy(c4_data_dir, tmp_path, truncate)
+    with pytest.raises(DataError, match=f"{version_dir}/c4-train.array_record-.* cannot be read "
+                                        ".*, but the train split .* lists it.*convert_format"):
+        load_data(c4_config(tmp_path, tokenizer="byte", lfreq_sample_docs=5))
+
+
+def test_a_shard_corrupted_inside_is_a_data_error_when_read(c4_data_dir, tmp_path):
+    def flip(v: Path) -> None:  # the footer stays intact: the shard opens, a record does not
+        path = next(v.glob("c4-train.array_record-*"))
+        data = bytearray(path.read_bytes())
+        data[2000:2064] = bytes(b ^ 0xFF for b in data[2000:2064])
+        path.write_bytes(bytes(data))
+
+    version_dir = damaged_copy(c4_data_dir, tmp_path, flip)
     with pytest.raises(DataError, match=f"The train split of the dataset prepared at "
-                                        f"{version_dir} is damaged: .*convert_format"):
+                                        f"{version_dir} is damaged: reading it failed "
+                                        r"\(Corrupted .*convert_format"):
         lm = load_data(c4_config(tmp_path, tokenizer="byte", lfreq_sample_docs=5))
         batches = lm.train_iterator(batch_size=4, seed=0)
         for _ in range(2 * NUM_TRAIN):
@@ -169,7 +183,11 @@ def test_a_truncated_shard_is_a_data_error_when_read(c4_data_dir, tmp_path, kept
 def test_a_read_only_c4_folder_loses_only_the_caches(c4_data_dir, tmp_path, monkeypatch):
     """C4 often lies on read-only storage: L_freq is then computed without its cache, and a
     tokenizer that would have to be trained and stored there is asked for instead."""
-    version_dir = damaged_copy(c4_data_dir, tmp_path, lambda v: None)
+    def without_caches(v: Path) -> None:  # those other tests wrote into the shared dataset
+        for cache in [*v.glob("lfreq_*.json"), *v.glob("tokenizer_spm_*.model")]:
+            cache.unlink()
+
+    version_dir = damaged_copy(c4_data_dir, tmp_path, without_caches)
 
     def read_only(path, data):
         raise PermissionError(13, "Permission denied", str(path))

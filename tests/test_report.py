@@ -122,9 +122,11 @@ def test_a_damaged_thm38_record_or_sparse_config_is_reported_not_fatal(tmp_path)
 
 
 def test_dumps_of_an_earlier_attempt_are_set_aside_by_a_fresh_start(tmp_path):
-    (tmp_path / "nonfinite_step_3.json").write_text("{}")
-    assert forensics.set_aside_dumps(str(tmp_path)) == [
-        f"{tmp_path}/earlier_attempts/nonfinite_step_3.json"]
-    assert (tmp_path / "earlier_attempts" / "nonfinite_step_3.json").read_text() == "{}"
+    aside = tmp_path / "earlier_attempts"
+    for attempt, name in enumerate(["nonfinite_step_3.json", "nonfinite_step_3-1.json"]):
+        (tmp_path / "nonfinite_step_3.json").write_text(f'{{"attempt": {attempt}}}')
+        assert forensics.set_aside_dumps(str(tmp_path)) == [f"{aside}/{name}"]
+    assert [json.loads((aside / name).read_text())["attempt"] for name in
+            ("nonfinite_step_3.json", "nonfinite_step_3-1.json")] == [0, 1]
     write_run(tmp_path, skipped=0)
     assert "Non-finite step dump" not in report.build_report(str(tmp_path))

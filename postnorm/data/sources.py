@@ -1,14 +1,17 @@
 """Preparing (if needed) and opening the configured dataset as TFDS array_record data sources."""
 
+import concurrent.futures
 import dataclasses
 import json
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import ml_collections
 import tensorflow_datasets as tfds
 from absl import logging
+from array_record.python.array_record_module import ArrayRecordReader
+from etils import epath
 from google.protobuf import json_format
 
 from postnorm.data import builders, c4, corpus
@@ -55,13 +58,17 @@ class CheckedRecords(Sequence):
         return len(self._records)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.__getitems__([index])[0]
+        return self._checked([index], lambda: [self._records[index]])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+        return self._checked(indices, lambda: self._records.__getitems__(indices))
+
+    def _checked(self, indices: Sequence[int],
+                 read: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
         try:
-            records = self._records.__getitems__(indices)
+            records = read()
         except RuntimeError as err:  # array_record: a missing, empty or corrupted shard
-            raise self._damaged(f"reading it failed ({str(err).splitlines()[0][:300]})") from err
+            raise self._damaged(f"reading it failed ({_first_line(err)})") from err
         for index, record in zip(indices, records, strict=True):
             if not isinstance(record.get(TEXT_FEATURE), bytes):
                 raise self._damaged(f"its record {index} has no text")
@@ -119,13 +126,40 @@ def _prepared_corpus(cfg: ml_collections.ConfigDict,
                         f"{str(err)[:300]}). {fix}") from err
 
 
+def _first_line(error: Exception) -> str:
+    return (str(error).splitlines() or [type(error).__name__])[0][:300]
+
+
+def _shard_problem(path: os.PathLike, expected: int) -> str | None:
+    """Why the array_record shard at ``path`` cannot give its ``expected`` records, if so."""
+    path = epath.Path(path)
+    if not path.exists():
+        return "is missing"
+    if path.stat().length == 0:
+        return "is empty"
+    try:
+        reader = ArrayRecordReader(os.fspath(path))
+        try:
+            found = reader.num_records()
+        finally:
+            reader.close()
+    except RuntimeError as err:  # a truncated or corrupted file
+        return f"cannot be read ({_first_line(err)})"
+    return None if found == expected else f"holds {found} of its {expected} records"
+
+
 def _check_shard_files(builder: tfds.core.DatasetBuilder, fix: str) -> None:
-    """DataError unless every shard file the splits list exists and is not empty."""
+    """DataError unless every shard file the splits list exists and holds its records (the
+    shards' footers are read, a few at a time). Call it after ``as_data_source``, which points
+    the dataset info at the array_record files when a dataset also has tfrecord ones."""
     for split in SPLITS:
-        for path in builder.info.splits[split].filepaths:
-            if not path.exists() or path.stat().length == 0:
-                state = "missing" if not path.exists() else "empty"
-                raise DataError(f"{path} is {state}, but the {split} split of the dataset "
+        info = builder.info.splits[split]
+        shards = list(zip(info.filepaths, info.shard_lengths, strict=True))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+            problems = list(pool.map(lambda shard: _shard_problem(*shard), shards))
+        for (path, _), problem in zip(shards, problems, strict=True):
+            if problem is not None:
+                raise DataError(f"{path} {problem}, but the {split} split of the dataset "
                                 f"prepared at {builder.data_dir} lists it. {fix}")
 
 
@@ -146,7 +180,7 @@ def prepare_source(cfg: ml_collections.ConfigDict) -> PreparedSource:
         cfg.source, summary["builder"], summary["config"], summary["version"], summary["path"],
         summary["num_docs"], fingerprint,
     )
-    splits = {name: builder.as_data_source(name) for name in SPLITS}  # array_record's files
+    splits = {name: builder.as_data_source(name) for name in SPLITS}
     _check_shard_files(builder, fix)
     checked = {name: CheckedRecords(records, name, summary["path"], fix)
                for name, records in splits.items()}
