@@ -52,12 +52,14 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     config = FLAGS.config
     check_benchmark_config(config)
-    trace_dir = FLAGS.trace_dir or tempfile.mkdtemp(prefix="postnorm_profile_")
-    try:
-        os.makedirs(trace_dir, exist_ok=True)
-    except OSError as err:
-        raise app.UsageError(f"--trace_dir={trace_dir} cannot be created ({err})") from err
+    if FLAGS.trace_dir:
+        try:
+            os.makedirs(FLAGS.trace_dir, exist_ok=True)
+        except OSError as err:
+            raise app.UsageError(f"--trace_dir={FLAGS.trace_dir} cannot be created "
+                                 f"({err})") from err
     allocator = use_allocator(config.runtime.allocator)  # may re-execute this command
+    trace_dir = FLAGS.trace_dir or tempfile.mkdtemp(prefix="postnorm_profile_")
     spec = ModelSpec.from_config(config.model, vocab_size=config.data.vocab_size,
                                  max_len=config.data.seq_len)
     mesh = make_mesh(config.mesh)

@@ -14,13 +14,13 @@ import jax
 import ml_collections
 import numpy as np
 
+from postnorm.data import check_batch_shape
 from postnorm.flops import forward_flops_per_token, train_flops_per_token
 from postnorm.model import Decoder, ModelSpec
 from postnorm.optim import make_optimizer
 from postnorm.sharding import batch_sharding, make_mesh
 from postnorm.step_builder import compile_steps
 from postnorm.validation import (
-    ConfigError,
     check_backend,
     check_fields,
     check_layout,
@@ -116,7 +116,8 @@ class Program:
 
 def check_benchmark_config(config: ml_collections.ConfigDict) -> None:
     """A run's config checks (``postnorm.validation``), less the data source's: the batches
-    are random tokens of the config's shape. ``ConfigError`` names a bad field."""
+    are random tokens of the config's shape. ``ConfigError`` or ``DataError`` names a bad
+    field."""
     check_fields(config)
     check_runtime(config)
     check_model(config)
@@ -124,11 +125,7 @@ def check_benchmark_config(config: ml_collections.ConfigDict) -> None:
     check_opt(config)
     check_train(config)
     check_layout(config, device_count=jax.device_count(), process_count=1)
-    for field, minimum in (("seq_len", 2), ("batch_size", 1)):
-        value = config.data[field]
-        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-            raise ConfigError(f"data.{field}={value!r} is invalid: must be an integer >= "
-                              f"{minimum}")
+    check_batch_shape(config.data)
 
 
 def random_tokens(config: ml_collections.ConfigDict, vocab: int) -> np.ndarray:

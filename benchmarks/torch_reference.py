@@ -57,12 +57,14 @@ from postnorm.model import ModelSpec
 from postnorm.user_errors import exit_2_on_user_error
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
-flags.DEFINE_integer("repeats", 7, "Timed repeats of each step (after one warm-up).")
-flags.DEFINE_integer("vocab_size", 0, "Vocabulary size; 0: data.vocab_size.")
-flags.DEFINE_integer("peak_calls", 5, "Back-to-back peak matmuls per repeat; the fastest counts.")
+flags.DEFINE_integer("repeats", 7, "Timed repeats of each step (after one warm-up).",
+                     lower_bound=1)
+flags.DEFINE_integer("vocab_size", 0, "Vocabulary size; 0: data.vocab_size.", lower_bound=0)
+flags.DEFINE_integer("peak_calls", 5, "Back-to-back peak matmuls per repeat; the fastest counts.",
+                     lower_bound=1)
 flags.DEFINE_bool("torch_compile", False, "Time the PyTorch step under torch.compile.")
 flags.DEFINE_integer("profile_ops", 0, "After timing, profile one PyTorch step and report its "
-                     "this many largest ops by self CPU time; 0: no profile.")
+                     "this many largest ops by self CPU time; 0: no profile.", lower_bound=0)
 FLAGS = flags.FLAGS
 PEAK_SIZE = 2048
 

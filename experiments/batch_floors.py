@@ -15,17 +15,16 @@ final checkpoint on.
 
 import itertools
 
-import jax
 import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
 from postnorm.config_args import parse_flags
-from postnorm.data import load_data
+from postnorm.data import check_data_config, load_data
 from postnorm.data.lfreq import frequency_floor
 from postnorm.json_numbers import dumps
 from postnorm.user_errors import exit_2_on_user_error
-from postnorm.validation import check_config
+from postnorm.validation import check_train
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Config whose data is read.")
 flags.DEFINE_list("seeds", ["0"], "Data-order seeds (integers in [0, 2**31)).")
@@ -54,7 +53,8 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     config = FLAGS.config
-    check_config(config, device_count=jax.device_count())
+    check_data_config(config.data)  # only the data and the logging schedule are read
+    check_train(config)
     steps = FLAGS.steps or config.train.steps
     if steps < 2:
         raise app.UsageError(f"train.steps={steps}: the floors' sd needs --steps >= 2")

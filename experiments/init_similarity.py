@@ -45,6 +45,7 @@ from configs import default, paper
 from postnorm import theory, theory_mc
 from postnorm.allocator import use_allocator
 from postnorm.data import DataError, load_data
+from postnorm.data.errors import ShortSplitError
 from postnorm.data.files import write_json_atomic
 from postnorm.initializers import INIT_SCHEMES, embedding_init
 from postnorm.json_numbers import dumps
@@ -324,7 +325,7 @@ def real_sequences(config: ml_collections.ConfigDict, count: int) -> list[np.nda
     config.data.vocab_size = data.tokenizer.vocab_size
     try:
         batches = data.eval_batches(batch_size=1, num_batches=count)
-    except DataError as err:
+    except ShortSplitError as err:
         raise DataError(f"the real inputs need --seeds={count} validation sequences of "
                         f"--seq_len={config.data.seq_len} tokens, and {data.info['path']} has "
                         "fewer: lower --seeds or --seq_len, or use --inputs=gaussian") from err

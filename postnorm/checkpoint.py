@@ -257,6 +257,10 @@ class Checkpointer(CheckpointReader):
         """The steps the manager keeps, newest first (this run is their only writer)."""
         return sorted(self._manager.all_steps(), reverse=True)
 
+    def should_save(self, step: int, *, force: bool = False) -> bool:
+        """Whether ``save(step, ..., force=force)`` starts a save."""
+        return (force or step % self._save_every == 0) and step not in self._manager.all_steps()
+
     def save(
         self, step: int, state: PyTree, data_iterator: grain.DatasetIterator, *, force: bool = False
     ) -> bool:
@@ -267,7 +271,7 @@ class Checkpointer(CheckpointReader):
         finishes in the background (see `wait_until_finished`). A step that already has a
         checkpoint is not saved again.
         """
-        if not (force or step % self._save_every == 0) or step in self._manager.all_steps():
+        if not self.should_save(step, force=force):
             return False
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),

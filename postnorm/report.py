@@ -145,7 +145,7 @@ def build_report(workdir: str, fallback_config: dict | None = None,
     lfreq = lfreq_of(records)
     train_S = train_loss_and_floor(records)
     floor = loss_and_floor_at(train_S, train_S[-1][0], rule.loss_smoothing)
-    model = {k: config["model"].get(k, "?") for k in ("norm", "n_layers", "d_model")}
+    model = {k: config.get("model", {}).get(k, "?") for k in ("norm", "n_layers", "d_model")}
     summary = [("workdir", os.path.abspath(workdir)),
                ("model", f"{model['norm']}-norm, {model['n_layers']} layers, "
                          f"d={model['d_model']}"),

@@ -320,7 +320,7 @@ def _train_loop(exp: Experiment, ckpt: Checkpointer, watch: PreemptionWatch,
             jax.block_until_ready(state)  # the step's own time stays in the rate
             with reporter.excluded():
                 reporter.write_eval(step, evaluate(exp, state), exp.eval_floor)
-        if stop or step == total or step % config.train.ckpt_every == 0:
+        if ckpt.should_save(step, force=step == total or stop):
             jax.block_until_ready(state)
             with reporter.excluded():
                 ckpt.save(step, state, data_iter, force=step == total or stop)
@@ -356,8 +356,8 @@ def _nonfinite(exp: Experiment, ckpt: Checkpointer, state: GuardedState,
     raise NonFiniteError(
         f"step {step} has a non-finite loss or gradient{why}; no state from it was saved. "
         f"Forensic dump: {dump}. To go on, {policy} and rerun: the run resumes from its last "
-        "checkpoint. A lower opt.lr or an opt.clip_norm changes the run, so it needs a new "
-        "--workdir.")
+        "checkpoint. A lower opt.lr or an opt.clip_norm changes the run, so once it has a "
+        "checkpoint that needs a new --workdir.")
 
 
 def _dump_nonfinite(exp: Experiment, state: GuardedState, step: int, position: dict,

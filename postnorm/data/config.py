@@ -47,6 +47,13 @@ def _check_int(cfg: ml_collections.ConfigDict, field: str, minimum: int,
         raise DataError(f"data.{field}={value!r}: must be an integer {allowed}.")
 
 
+def check_batch_shape(cfg: ml_collections.ConfigDict) -> None:
+    """The fields that shape a batch of token ids, for programs fed random tokens (the
+    benchmarks): data.seq_len and data.vocab_size."""
+    _check_int(cfg, "seq_len", 2)
+    _check_int(cfg, "vocab_size", 1, MAX_VOCAB)
+
+
 def check_data_config(cfg: ml_collections.ConfigDict) -> None:
     """Raises DataError, naming the field or path and the fix, for a config that cannot work."""
     missing = [f for f in FIELDS if f not in cfg]

@@ -13,7 +13,7 @@ from absl import logging
 
 from postnorm.data import pipeline
 from postnorm.data.config import check_data_config
-from postnorm.data.errors import DataError
+from postnorm.data.errors import ShortSplitError
 from postnorm.data.files import preparing
 from postnorm.data.lfreq import get_unigram
 from postnorm.data.sources import prepare_source
@@ -81,7 +81,7 @@ class LMData:
         )
         batches = list(itertools.islice(dataset, num_batches))
         if len(batches) < num_batches:
-            raise DataError(
+            raise ShortSplitError(
                 f"The validation split at {self.info['path']} gives only {len(batches)} batches "
                 f"of {batch_size}x{self.seq_len} tokens on process {process_index}/"
                 f"{process_count}, not {num_batches}; lower the eval batch count or size "

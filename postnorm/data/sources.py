@@ -113,6 +113,7 @@ def _prepared_corpus(cfg: ml_collections.ConfigDict,
         config = builders.text_files_config(paths)
         path = builders.prepared_dir(data_dir, builders.TextFilesCorpus, config)
     fix = f"Delete {path} to prepare it again."
+    prepared_before = path.exists()
     try:
         if cfg.source == "embedded":
             builder = builders.embedded_builder(data_dir, config)
@@ -121,6 +122,8 @@ def _prepared_corpus(cfg: ml_collections.ConfigDict,
         builder.download_and_prepare()
         return builder, builder.info.metadata["fingerprint"], fix
     except _DAMAGED_METADATA as err:
+        if not prepared_before:  # not damage: an error of the preparation itself
+            raise
         raise DataError(f"The dataset prepared at {path} is damaged: its dataset_info.json or "
                         f"metadata.json does not parse or lacks a field ({type(err).__name__}: "
                         f"{str(err)[:300]}). {fix}") from err
