@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from typing import Any
 
@@ -51,6 +52,10 @@ PyTree = Any
 
 class CheckpointError(RuntimeError):
     """The checkpoint directory cannot be used; the message names the path and the fix."""
+
+
+class ProcessCountError(CheckpointError):
+    """A checkpoint's data positions were saved by another number of processes."""
 
 
 def _check_writable(directory: epath.Path) -> None:
@@ -145,21 +150,25 @@ class CheckpointReader:
         return steps
 
     def restore_latest(
-        self, abstract_state: PyTree, data_iterator: grain.DatasetIterator
+        self, abstract_state: PyTree, data_iterator: grain.DatasetIterator | None
     ) -> tuple[PyTree, int] | None:
         """Restores the newest usable checkpoint, or returns None when there is none.
 
         `abstract_state` is a pytree of `jax.ShapeDtypeStruct` carrying `.sharding`; arrays
-        are restored with exactly those shardings. `data_iterator` is rewound in place. A step
-        that fails to restore is logged and skipped; if every step fails, CheckpointError.
-        After a failure the steps are listed again: a step that is gone was deleted by a
-        live trainer, not damaged, and newer steps saved meanwhile are tried first.
+        are restored with exactly those shardings. `data_iterator` is rewound in place (None:
+        the data position is not read, as an evaluation needs none). A step that fails to
+        restore is logged and skipped; if every step fails, CheckpointError. After a failure
+        the steps are listed again: a step that is gone was deleted by a live trainer, not
+        damaged, and newer steps saved meanwhile are tried first. A step written by another
+        number of processes is not damaged: ``ProcessCountError`` says so at once.
         """
         failures: dict[int, Exception | str] = {}
         rescans = 0
         steps = self._steps()
         while steps:
             step = steps.pop(0)
+            if data_iterator is not None:
+                self._check_process_count(step)
             try:
                 state, error = self._restore_step(step, abstract_state, data_iterator), None
             except Exception as e:  # any failure makes the step unusable: try an older one
@@ -197,19 +206,30 @@ class CheckpointReader:
             )
         return None
 
+    def _check_process_count(self, step: int) -> None:
+        """``ProcessCountError`` when `step`'s data positions come from another number of
+        processes (each process's iterator is saved as ``process_<i>-of-<n>.json``)."""
+        names = [path.name for path in (self.directory / str(step) / "data").glob("process_*")]
+        counts = {int(m.group(1)) for name in names
+                  if (m := re.fullmatch(r"process_\d+-of-(\d+)\.json", name))}
+        if counts and counts != {jax.process_count()}:
+            written = ", ".join(map(str, sorted(counts)))
+            raise ProcessCountError(
+                f"checkpoint step {step} in {self.directory} was written by {written} "
+                f"processes and this run has {jax.process_count()}: each process resumes its "
+                f"own share of the data, so resume it with {written} processes "
+                "(--num_processes); --mode=eval reads no data position and runs with any number")
+
     def _restore_step(
-        self, step: int, abstract_state: PyTree, data_iterator: grain.DatasetIterator
+        self, step: int, abstract_state: PyTree, data_iterator: grain.DatasetIterator | None
     ) -> PyTree:
         """The state of `step`, verified against the checksums saved with it."""
+        items = {"state": ocp.args.StandardRestore(abstract_state),
+                 "integrity": ocp.args.JsonRestore()}
+        if data_iterator is not None:
+            items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
         try:
-            restored = self._manager.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state),
-                    data=grain.checkpoint.CheckpointRestore(data_iterator),
-                    integrity=ocp.args.JsonRestore(),
-                ),
-            )
+            restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         except json.JSONDecodeError as err:  # orbax's message names no file
             raise CheckpointError(
                 f"{_damaged_json(self.directory / str(step))} is not valid JSON ({err}): the "

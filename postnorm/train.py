@@ -472,7 +472,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> floa
     try:
         exp = build_experiment(config, lambda data: check_run_data(
             workdir, data.info, config.data.data_dir, "evaluate"))
-        restored = ckpt.restore_latest(exp.steps.abstract_state, train_iterator(exp))
+        restored = ckpt.restore_latest(exp.steps.abstract_state, None)  # no data position
     finally:
         ckpt.close()
     if restored is None:

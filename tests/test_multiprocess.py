@@ -28,6 +28,7 @@ from tests.reliability_helpers import (
     jax_cache_dir,
     read_losses,
     read_records,
+    run_main,
     subprocess_env,
     tiny_config,
     wait_for_step,
@@ -122,6 +123,18 @@ def test_two_processes_preempt_resume_and_match_one_process(tmp_path, tmp_path_f
     for log in logs:
         assert (f"eval of the checkpoint at step {STEPS}: loss {final_eval[-1]:.4f}"
                 in log.read_text())
+    # One process evaluates it too (it reads no data position); it cannot resume it, as the
+    # data positions are per process, and says so instead of calling the files damaged.
+    single = run_main("--config", flag, "--workdir", str(workdir), "--mode=eval",
+                      cache_dir=cache)
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert f"eval of the checkpoint at step {STEPS}: loss" in single.stderr
+    single = run_main("--config", flag, "--workdir", str(workdir), cache_dir=cache)
+    assert single.returncode == 2, single.stderr[-3000:]
+    assert (f"postnorm: error: checkpoint step {STEPS} in {workdir}/checkpoints was written by "
+            "2 processes and this run has 1: each process resumes its own share of the data, "
+            "so resume it with 2 processes") in single.stderr
+    assert not list((workdir / "checkpoints").glob("*.corrupt*"))  # nothing was set aside
 
     want = _reference_losses(tiny_config(corpus, tmp_path / "tfds", **FIELDS))
     # On one machine the two agree bit for bit; allclose leaves room for collective order.
