@@ -30,6 +30,10 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 def mesh_shape(mesh_cfg: ml_collections.ConfigDict, device_count: int) -> tuple[int, int, int]:
     """(data, fsdp, tensor) sizes; ``data = -1`` takes every device left by fsdp and tensor."""
     fsdp, tensor = mesh_cfg.fsdp, mesh_cfg.tensor
+    if mesh_cfg.data == -1 and device_count % (fsdp * tensor):
+        raise ValueError(
+            f"mesh.fsdp={fsdp} x mesh.tensor={tensor} = {fsdp * tensor} must divide the "
+            f"{device_count} devices available (mesh.data=-1 takes the rest)")
     data = mesh_cfg.data if mesh_cfg.data != -1 else device_count // (fsdp * tensor)
     if data * fsdp * tensor != device_count:
         raise ValueError(

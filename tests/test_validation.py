@@ -71,7 +71,9 @@ CASES = [
     ("mesh.tensor", -1, POSITIVE_INT),
     ("mesh.data", -2, "must be an integer >= 1, or -1"),
     ("mesh.data", 3, "give 3 devices but 8 are available"),
-    ("mesh.tensor", 16, "give 0 devices but 8 are available"),
+    ("mesh.tensor", 16, r"mesh.fsdp=1 x mesh.tensor=16 = 16 must divide the 8 devices "
+                        r"available \(mesh.data=-1 takes the rest\)"),
+    ("mesh.fsdp", 3, "mesh.fsdp=3 x mesh.tensor=1 = 3 must divide the 8 devices"),
     ("mesh.fsdp", 8, "model.d_model=36 must be divisible by mesh.fsdp=8"),
     ("mesh.tensor", 8, "model.d_model=36 must be divisible by mesh.tensor=8"),
     ("mesh.tensor", 2, "model.d_ff=191 must be divisible by mesh.tensor=2"),
