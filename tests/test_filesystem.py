@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from postnorm.checkpoint import Checkpointer
-from postnorm.data import load_data
+from postnorm.data import files, load_data
 from tests.reliability_helpers import (
     REPO,
     config_flag,
@@ -120,3 +120,19 @@ def test_full_disk_during_a_checkpoint_is_a_clear_error_and_leaves_no_checkpoint
     ckpt = Checkpointer(str(workdir / "checkpoints"), save_every=4, keep=3)
     assert ckpt.latest_step() is None
     ckpt.close()
+
+
+def test_a_failed_replacement_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+    """Figures and the report are written by ``replace_file``: a write that fails part way
+    (a full disk, here the final rename) leaves the previous file as it was."""
+    target = tmp_path / "report.html"
+    target.write_bytes(b"the previous report")
+
+    def fail(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(files.os, "replace", fail)
+    with pytest.raises(OSError, match="No space left"):
+        files.replace_file(target, b"a new report that is never seen half written")
+    assert target.read_bytes() == b"the previous report"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html"]
