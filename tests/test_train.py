@@ -111,7 +111,7 @@ def test_sharded_step_matches_single_device():
     ("model.n_heads", 5, "not divisible by model.n_heads"),
     ("model.norm", "sandwich", "model.norm='sandwich' is invalid"),
     ("model.init", "he", "model.init='he' is invalid"),
-    ("mesh.tensor", 3, "devices but 8 are available"),
+    ("mesh.tensor", 3, "mesh.tensor=3 = 3 must divide the 8 devices"),
     ("data.batch_size", 12, "divisible by mesh data x fsdp"),
 ])
 def test_invalid_fields_name_the_problem(field, value, message):
