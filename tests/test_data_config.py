@@ -1,11 +1,13 @@
 """check_data_config: each bad setting raises a DataError naming the field or path."""
 
+import os
 import re
 from pathlib import Path
 
 import pytest
 
 from postnorm.data import DataError, check_data_config, load_data
+from postnorm.data import config as data_config
 from tests.test_data_pipeline import make_config, write_corpus
 
 
@@ -128,3 +130,16 @@ def test_empty_text_files_name_the_field(corpus_dir, tmp_path):
         (empty / name).write_text("")
     with pytest.raises(DataError, match=r"got no text.*data.text_files: files that are not empty"):
         load_data(make_config(corpus_dir, tmp_path, text_files=str(empty / "*.txt")))
+
+
+def test_a_read_only_data_dir_is_refused_unless_prepared(corpus_dir, tmp_path, monkeypatch):
+    cfg = make_config(corpus_dir, tmp_path / "tfds", tokenizer="byte")
+    read_only = lambda path, mode: not mode & os.W_OK  # as root, chmod would be moot
+    monkeypatch.setattr(data_config.os, "access", read_only)
+    with pytest.raises(DataError, match="is not a writable directory"):
+        check_data_config(cfg)
+    monkeypatch.undo()
+    prepared = load_data(cfg)
+    monkeypatch.setattr(data_config.os, "access", read_only)
+    check_data_config(cfg)  # a prepared dataset is only read
+    assert load_data(cfg).fingerprint == prepared.fingerprint

@@ -4,7 +4,7 @@ import os
 
 import ml_collections
 
-from postnorm.data import c4, corpus
+from postnorm.data import builders, c4, corpus
 from postnorm.data.errors import DataError
 from postnorm.data.tokenizers import read_user_sentencepiece
 
@@ -36,6 +36,17 @@ def _check_writable_dir(field: str, path: str) -> None:
             f"{field}={path!r}: {existing} is not a writable directory, so the dataset cannot be "
             f"prepared there. Set {field} to a writable directory."
         )
+
+
+def _already_prepared(cfg: ml_collections.ConfigDict, data_dir: str) -> bool:
+    """Whether ``data_dir`` holds this embedded or text-files dataset, prepared."""
+    if cfg.source == "embedded":
+        path = builders.prepared_dir(data_dir, builders.EmbeddedCorpus, builders.embedded_config())
+    else:
+        paths = corpus.text_file_paths(cfg.text_files)
+        path = builders.prepared_dir(data_dir, builders.TextFilesCorpus,
+                                     builders.text_files_config(paths))
+    return (path / "dataset_info.json").is_file()
 
 
 def _check_int(cfg: ml_collections.ConfigDict, field: str, minimum: int,
@@ -76,7 +87,11 @@ def check_data_config(cfg: ml_collections.ConfigDict) -> None:
     if cfg.source == "c4":
         c4.check_c4(data_dir, cfg.c4_version)
     else:
-        _check_writable_dir("data.data_dir", data_dir)
+        try:
+            _check_writable_dir("data.data_dir", data_dir)
+        except DataError:
+            if not _already_prepared(cfg, data_dir):  # a prepared one is only read
+                raise
     if cfg.source == "text_files":
         if not cfg.text_files:
             raise DataError("data.source='text_files' needs data.text_files, a glob of files.")
