@@ -57,7 +57,7 @@ from postnorm.run_config import (
     latest_checkpoint_step,
     write_run_config,
 )
-from postnorm.run_data import DATA_INFO_NAME, check_run_data
+from postnorm.run_data import check_run_data, data_info_path
 from postnorm.sharding import batch_sharding, make_mesh
 from postnorm.step_builder import CompiledSteps, compile_steps
 from postnorm.validation import check_config, check_vocab_layout
@@ -217,7 +217,7 @@ def _record_run(workdir: str, config: ml_collections.ConfigDict, data_info: dict
     """Record the run's config and data (process 0); a run starting afresh sets an earlier
     attempt's non-finite dumps aside, as they are not its own."""
     write_run_config(workdir, config)
-    write_json_atomic(os.path.join(workdir, DATA_INFO_NAME), data_info)
+    write_json_atomic(data_info_path(workdir), data_info)
     if start == 0:
         for path in set_aside_dumps(workdir):
             logging.info("starting afresh: an earlier attempt's dump moved to %s", path)

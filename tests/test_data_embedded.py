@@ -34,7 +34,7 @@ def test_split_is_by_key_and_never_leaves_a_split_empty():
 def test_embedded_corpus_is_large_and_identical_across_builds(tmp_path):
     infos, validation_keys = [], []
     for name in ("a", "b"):
-        builder = builders.embedded_builder(str(tmp_path / name), builders.embedded_config())
+        builder = builders.choose_corpus("embedded", "").builder(str(tmp_path / name))
         builder.download_and_prepare()
         infos.append(builder.info)
         records = builder.as_data_source("validation")

@@ -6,6 +6,7 @@ and provenance in the dataset metadata (metadata.json beside the prepared shards
 """
 
 import abc
+import dataclasses
 import hashlib
 import json
 from collections.abc import Iterator, Sequence
@@ -106,18 +107,29 @@ def text_files_config(paths: Sequence[str]) -> tfds.core.BuilderConfig:
     return tfds.core.BuilderConfig(name=f"files_{corpus.file_set_id(paths)}")
 
 
-def prepared_dir(data_dir: str, builder_class: type[_CorpusBuilder],
-                 config: tfds.core.BuilderConfig) -> Path:
-    """Where ``builder_class`` prepares ``config`` under ``data_dir``."""
-    return Path(data_dir) / builder_class.name / config.name / str(_CorpusBuilder.VERSION)
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """An embedded or text-files corpus chosen by the config: its builder class and config."""
+
+    builder_class: type[_CorpusBuilder]
+    config: tfds.core.BuilderConfig
+    paths: tuple[str, ...] = ()  # the text files
+
+    def prepared_dir(self, data_dir: str) -> Path:
+        """Where it is prepared under ``data_dir``."""
+        return (Path(data_dir) / self.builder_class.name / self.config.name
+                / str(_CorpusBuilder.VERSION))
+
+    def builder(self, data_dir: str) -> _CorpusBuilder:
+        """Its builder over ``data_dir`` (reading what is prepared there)."""
+        kwargs = {"paths": self.paths} if self.builder_class is TextFilesCorpus else {}
+        return self.builder_class(data_dir=data_dir, config=self.config,
+                                  file_format=FILE_FORMAT, **kwargs)
 
 
-def embedded_builder(data_dir: str, config: tfds.core.BuilderConfig) -> EmbeddedCorpus:
-    """The embedded-corpus builder of ``embedded_config()``."""
-    return EmbeddedCorpus(data_dir=data_dir, config=config, file_format=FILE_FORMAT)
-
-
-def text_files_builder(data_dir: str, paths: Sequence[str],
-                       config: tfds.core.BuilderConfig) -> TextFilesCorpus:
-    """The builder for a file set of ``text_files_config(paths)``."""
-    return TextFilesCorpus(paths=paths, data_dir=data_dir, config=config, file_format=FILE_FORMAT)
+def choose_corpus(source: str, text_files: str) -> Corpus:
+    """The corpus of ``data.source`` ('embedded' or 'text_files', with its glob)."""
+    if source == "embedded":
+        return Corpus(EmbeddedCorpus, embedded_config())
+    paths = tuple(corpus.text_file_paths(text_files))
+    return Corpus(TextFilesCorpus, text_files_config(paths), paths)

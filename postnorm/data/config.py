@@ -40,13 +40,8 @@ def _check_writable_dir(field: str, path: str) -> None:
 
 def _already_prepared(cfg: ml_collections.ConfigDict, data_dir: str) -> bool:
     """Whether ``data_dir`` holds this embedded or text-files dataset, prepared."""
-    if cfg.source == "embedded":
-        path = builders.prepared_dir(data_dir, builders.EmbeddedCorpus, builders.embedded_config())
-    else:
-        paths = corpus.text_file_paths(cfg.text_files)
-        path = builders.prepared_dir(data_dir, builders.TextFilesCorpus,
-                                     builders.text_files_config(paths))
-    return (path / "dataset_info.json").is_file()
+    chosen = builders.choose_corpus(cfg.source, cfg.text_files)
+    return (chosen.prepared_dir(data_dir) / "dataset_info.json").is_file()
 
 
 def _check_int(cfg: ml_collections.ConfigDict, field: str, minimum: int,

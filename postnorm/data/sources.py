@@ -14,7 +14,7 @@ from array_record.python.array_record_module import ArrayRecordReader
 from etils import epath
 from google.protobuf import json_format
 
-from postnorm.data import builders, c4, corpus
+from postnorm.data import builders, c4
 from postnorm.data.errors import DataError
 
 TEXT_FEATURE = "text"
@@ -105,20 +105,12 @@ def _prepared_corpus(cfg: ml_collections.ConfigDict,
                      data_dir: str) -> tuple[tfds.core.DatasetBuilder, str, str]:
     """The embedded or text-files dataset, prepared on first use: its builder, fingerprint
     and what to do if its files turn out damaged."""
-    if cfg.source == "embedded":
-        config = builders.embedded_config()
-        path = builders.prepared_dir(data_dir, builders.EmbeddedCorpus, config)
-    else:
-        paths = corpus.text_file_paths(cfg.text_files)
-        config = builders.text_files_config(paths)
-        path = builders.prepared_dir(data_dir, builders.TextFilesCorpus, config)
+    chosen = builders.choose_corpus(cfg.source, cfg.text_files)
+    path = chosen.prepared_dir(data_dir)
     fix = f"Delete {path} to prepare it again."
     prepared_before = path.exists()
     try:
-        if cfg.source == "embedded":
-            builder = builders.embedded_builder(data_dir, config)
-        else:
-            builder = builders.text_files_builder(data_dir, paths, config)
+        builder = chosen.builder(data_dir)
         builder.download_and_prepare()
         return builder, builder.info.metadata["fingerprint"], fix
     except _DAMAGED_METADATA as err:
