@@ -20,15 +20,7 @@ from postnorm.model import Decoder, ModelSpec
 from postnorm.optim import make_optimizer
 from postnorm.sharding import batch_sharding, make_mesh
 from postnorm.step_builder import compile_steps
-from postnorm.validation import (
-    check_backend,
-    check_fields,
-    check_layout,
-    check_model,
-    check_opt,
-    check_runtime,
-    check_train,
-)
+from postnorm.validation import check_all_but_data
 
 PROGRAMS = ("train", "diag", "forward")
 THP_SETTING = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -118,13 +110,7 @@ def check_benchmark_config(config: ml_collections.ConfigDict) -> None:
     """A run's config checks (``postnorm.validation``), less the data source's: the batches
     are random tokens of the config's shape. ``ConfigError`` or ``DataError`` names a bad
     field."""
-    check_fields(config)
-    check_runtime(config)
-    check_model(config)
-    check_backend(config, platform=jax.default_backend())
-    check_opt(config)
-    check_train(config)
-    check_layout(config, device_count=jax.device_count(), process_count=1)
+    check_all_but_data(config, device_count=jax.device_count())
     check_batch_shape(config.data)
 
 

@@ -200,6 +200,14 @@ def check_config(config: ml_collections.ConfigDict, *, device_count: int,
 
     ``platform`` defaults to the running JAX backend.
     """
+    check_all_but_data(config, device_count=device_count, process_count=process_count,
+                       platform=platform)
+    check_data_config(config.data)
+
+
+def check_all_but_data(config: ml_collections.ConfigDict, *, device_count: int,
+                       process_count: int = 1, platform: str | None = None) -> None:
+    """``check_config`` less the data source's fields (for programs fed random tokens)."""
     check_fields(config)
     check_runtime(config)
     check_model(config)
@@ -208,4 +216,3 @@ def check_config(config: ml_collections.ConfigDict, *, device_count: int,
     check_train(config)
     warn_about_the_schedule(config)
     check_layout(config, device_count=device_count, process_count=process_count)
-    check_data_config(config.data)
