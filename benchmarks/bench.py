@@ -13,9 +13,10 @@ Programs (``--programs``, comma-separated):
 * ``forward``: the logits of one batch at initialisation (no gradient).
 
 Each program is compiled for the config's model on a random token batch of the config's shape
-(``--vocab_size`` defaults to ``data.vocab_size``). ``--variant`` (repeatable) applies config
-overrides to the config; every variant's programs then run side by side, and each program's
-time is also reported as a ratio to the first variant's.
+(``--vocab_size`` defaults to ``data.vocab_size``). ``--variant`` (repeatable) applies the
+config file's named variants and ``key=value`` overrides, written as after the file's colon
+(``pre,model.remat=none``), to the config; every variant's programs then run side by side, and
+each program's time is also reported as a ratio to the first variant's.
 
 The machine's peak is measured in the same run: a square matmul (``--peak_size``, in
 ``--peak_dtype``: float32 on CPU, bfloat16 for an accelerator's tensor cores),
@@ -56,12 +57,13 @@ from benchmarks.programs import (
     transparent_hugepage_mode,
 )
 from postnorm.allocator import use_allocator
-from postnorm.config_args import ConfigArgError, apply_arg, parse_flags
+from postnorm.config_args import ConfigArgError, apply_arg, config_file_variants, parse_flags
 from postnorm.user_errors import exit_2_on_user_error
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 flags.DEFINE_list("programs", ["train", "diag"], f"Programs to time, from {list(PROGRAMS)}.")
-flags.DEFINE_multi_string("variant", [""], "Config overrides (a.b=v,c=d); repeat to compare.")
+flags.DEFINE_multi_string("variant", [""], "Config variants and overrides, as after the config "
+                           "file's colon (pre,a.b=v); repeat to compare.")
 flags.DEFINE_integer("repeats", 5, "Timed repeats of each program (after one warm-up).",
                      lower_bound=1)
 flags.DEFINE_integer("vocab_size", 0, "Vocabulary size; 0: data.vocab_size.", lower_bound=0)
@@ -86,10 +88,11 @@ def main(argv: list[str]) -> None:
     check_benchmark_config(FLAGS.config)
     allocator = use_allocator(FLAGS.config.runtime.allocator)  # may re-execute this command
     compile_afresh()
+    named = config_file_variants(config_flags.get_config_filename(FLAGS["config"]))
     variants, models = {}, {}
     for overrides in FLAGS.variant:
         try:
-            config = apply_arg(copy.deepcopy(FLAGS.config), overrides, {})
+            config = apply_arg(copy.deepcopy(FLAGS.config), overrides, named)
         except ConfigArgError as err:
             raise app.UsageError(f"--variant={overrides!r}: {err}") from err
         if config.runtime != FLAGS.config.runtime:

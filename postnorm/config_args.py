@@ -7,9 +7,13 @@ they replace; an unknown key or variant, or a value of the wrong type, raises
 ``ConfigArgError`` naming it.
 """
 
+import importlib.util
+import os
+import re
 import sys
 import textwrap
 from collections.abc import Callable, Mapping
+from types import ModuleType
 from typing import NoReturn
 
 import ml_collections
@@ -86,6 +90,23 @@ def apply_arg(config: ml_collections.ConfigDict, arg: str | None,
         else:
             raise ConfigArgError(f"unknown config variant {token!r}; known: {sorted(variants)}")
     return config
+
+
+def load_module(path: str) -> ModuleType:
+    """Import a Python file (a config or sweep file) by path."""
+    name = "_config_file_" + re.sub(r"\W", "_", os.path.abspath(path))
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"cannot import {path!r}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def config_file_variants(path_arg: str) -> Mapping[str, Variant]:
+    """The named variants (``VARIANTS``) of the config file ``path_arg`` names (``file.py`` or
+    ``file.py:args``); none if it defines none."""
+    return getattr(load_module(path_arg.partition(":")[0]), "VARIANTS", {})
 
 
 def _config_arg_error(error: BaseException | None) -> ConfigArgError | None:

@@ -9,17 +9,15 @@ are derived from the overrides that vary across the sweep (so they are stable an
 """
 
 import dataclasses
-import importlib.util
 import os
 import re
 from collections.abc import Sequence
-from types import ModuleType
 from typing import TypeVar
 
 import ml_collections
 import numpy as np
 
-from postnorm.config_args import set_field
+from postnorm.config_args import load_module, set_field
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=-]")
 
@@ -40,17 +38,6 @@ class RunSpec:
 
     def override(self, key: str) -> object:
         return dict(self.overrides)[key]
-
-
-def load_module(path: str) -> ModuleType:
-    """Import a Python file by path."""
-    name = "_sweep_" + re.sub(r"\W", "_", os.path.abspath(path))
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"cannot import {path!r}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def split_arg(path_arg: str) -> tuple[str, str | None]:

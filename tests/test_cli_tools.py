@@ -58,6 +58,17 @@ def test_batch_floors_counts_the_first_logged_step(tmp_path):
     assert seed["last_logged_steps"] == [1, 10, 20]  # the trainer logs step 1 too
 
 
+def test_bench_variants_take_the_config_files_named_variants():
+    result = run_module("benchmarks.bench", f"--config={TINY}", "--programs=forward",
+                        "--repeats=1", "--peak_size=64", "--variant=pre",
+                        "--variant=post,model.n_layers=3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    variants = json.loads(result.stdout)["variants"]
+    assert variants["pre"]["model"]["norm"] == "pre"
+    assert variants["post,model.n_layers=3"]["model"]["norm"] == "post"
+    assert variants["post,model.n_layers=3"]["model"]["n_layers"] == 3
+
+
 @pytest.mark.parametrize("module,args,code,message", [
     ("benchmarks.bench", [f"--config={TINY},model.norm=sandwich"], 2,
      "postnorm: error: model.norm='sandwich' is invalid"),
@@ -67,6 +78,8 @@ def test_batch_floors_counts_the_first_logged_step(tmp_path):
      "postnorm: error: data.vocab_size=0: must be an integer in [1, "),
     ("benchmarks.bench", [f"--config={TINY}", "--variant=model.bogus=3"], 1,
      "--variant='model.bogus=3': unknown config key 'model.bogus'"),
+    ("benchmarks.bench", [f"--config={TINY}", "--variant=sandwich"], 1,
+     "--variant='sandwich': unknown config variant 'sandwich'; known: ['post', 'pre']"),
     ("benchmarks.bench", [f"--config={TINY}", "--programs", "train", "diag"], 1,
      "unexpected arguments: ['diag']"),
     ("experiments.init_similarity", ["--out_dir=/dev/null/x", "--inputs=gaussian"], 1,
