@@ -90,6 +90,19 @@ def test_loss_outside_the_tolerance_is_not_a_collapse():
     assert loosened.collapsed and loosened.collapse_step == 30
 
 
+def test_a_loss_far_below_the_floor_is_not_a_collapse():
+    """|loss - floor| within 5% of the floor: 20% under it is learning, not collapse."""
+    found = detect_collapse(records(STEPS, TSIM, [9.0, 8.0, 6.0, 4.0, 4.0, 4.0]), INSTANT)
+    assert not found.collapsed and found.first_hit_step is None
+
+
+def test_tsim_at_the_threshold_counts_as_similar():
+    tsim = np.array(TSIM)
+    tsim[3, 1] = 0.99  # exactly the default threshold
+    found = detect_collapse(records(STEPS, tsim, [5.0] * 6), INSTANT)
+    assert found.onset_step == 10
+
+
 def test_too_few_similar_layers_is_not_a_collapse():
     loss = [9.0, 8.0, 6.0, 5.0, 5.0, 5.0]
     found = detect_collapse(records(STEPS, TSIM, loss),

@@ -100,6 +100,35 @@ def test_bound_matches_numpy_and_holds(norm):
     np.testing.assert_allclose(out["lfreq_corpus"], -np.sum(p * np.log(p)), rtol=1e-12)
 
 
+def test_collapsed_prediction_kl_and_entropy_of_q_bar_against_numpy():
+    """The fully collapsed prediction softmax(W_lm x_bar) per sequence, KL(eval targets' p || q_bar)
+    and H(q_bar), q_bar the mean predicted distribution, from the model's hidden states and
+    logits in numpy."""
+    spec, params = tiny("post")
+    batches = [batch(1), batch(2)]
+    out = collapsed_net.measure_bound(spec, params, batches,
+                                      np.arange(1, VOCAB + 1, dtype=np.int64))
+    w_VxD = np.asarray(params["lm_head"], np.float64).T
+    shared, q_sum_V, eval_counts_V = [], np.zeros(VOCAB), np.zeros(VOCAB)
+    for b in batches:
+        hidden, logits = collapsed_net.hidden_and_logits(spec)(params, b["inputs"])
+        hidden, logits = np.asarray(hidden, np.float64), np.asarray(logits, np.float64)
+        for h_NxD, t_N in zip(hidden, b["targets"], strict=True):
+            z_V = w_VxD @ h_NxD.mean(0)
+            log_q_V = z_V - z_V.max() - np.log(np.exp(z_V - z_V.max()).sum())
+            shared.append(-log_q_V[t_N].mean())
+        probs = np.exp(logits - logits.max(-1, keepdims=True))
+        q_sum_V += (probs / probs.sum(-1, keepdims=True)).sum((0, 1))
+        eval_counts_V += np.bincount(b["targets"].ravel(), minlength=VOCAB)
+    np.testing.assert_allclose(out["per_sequence"]["collapsed_prediction_loss"], shared,
+                               rtol=1e-6)
+    q_V, p_V = q_sum_V / q_sum_V.sum(), eval_counts_V / eval_counts_V.sum()
+    seen = p_V > 0
+    np.testing.assert_allclose(out["kl_eval_targets_qbar"],
+                               np.sum(p_V[seen] * np.log(p_V[seen] / q_V[seen])), rtol=1e-6)
+    np.testing.assert_allclose(out["entropy_qbar"], -np.sum(q_V * np.log(q_V)), rtol=1e-6)
+
+
 @pytest.mark.parametrize("norm", ["post", "pre"])
 def test_constructed_pfreq_point_is_collapsed_at_lfreq_and_stationary(norm):
     spec, params = tiny(norm)

@@ -13,7 +13,7 @@ import pytest
 import sentencepiece as spm
 
 from postnorm.data import ByteTokenizer, DataError, load_data, spm_training
-from postnorm.data.lfreq import frequency_floor
+from postnorm.data.lfreq import frequency_floor, target_token_counts
 from tests.reliability_helpers import REPO, subprocess_env
 from tests.reliability_helpers import write_corpus as write_corpus_files
 from tests.test_data_pipeline import make_config, write_corpus
@@ -100,6 +100,18 @@ def test_lfreq_matches_independent_unigram_entropy(corpus_dir, tmp_path):
     assert cached["lfreq"] == lm.lfreq and cached["fingerprint"] == lm.fingerprint
     assert load_data(make_config(corpus_dir, tmp_path)).unigram_counts.tolist() == \
         cached["counts"]
+
+
+def test_target_counts_span_every_encoding_chunk():
+    """More documents than two encoding chunks (256 each): every document's tokens and its EOS
+    are counted, against one bincount of the whole stream."""
+    rng = np.random.default_rng(4)
+    texts = ["".join(rng.choice(list("abcdefgh é"), size=rng.integers(1, 30)))
+             for _ in range(600)]
+    tok = ByteTokenizer()
+    stream = np.concatenate([np.append(tok.encode(t), tok.eos_id) for t in texts])
+    np.testing.assert_array_equal(target_token_counts(texts, tok),
+                                  np.bincount(stream, minlength=tok.vocab_size))
 
 
 def test_frequency_floor_is_the_unigram_cross_entropy_of_the_targets(corpus_dir, tmp_path):

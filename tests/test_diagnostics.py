@@ -84,6 +84,26 @@ def test_contraction_with_a_vector_gain_against_numpy_and_the_jacobian():
         assert spectral >= 0.5 * c_bound[b, i]
 
 
+def test_contraction_includes_eps_when_the_norm_input_is_small():
+    """rms(y)^2 near eps: c = alpha / sqrt(rms^2 + eps), against numpy and the RMSNorm VJP on
+    a direction orthogonal to y."""
+    rng = np.random.default_rng(11)
+    d, alpha, eps = 16, 1.3, 1e-6
+    y_BxLxD = rng.normal(size=(2, 5, d)) * rng.uniform(3e-4, 3e-3, size=(2, 5, 1))
+    stats = dg.norm_input_stats(jnp.asarray(y_BxLxD, jnp.float32), jnp.full((d,), alpha), eps)
+    c = alpha / np.sqrt(np.mean(y_BxLxD**2, -1) + eps)
+    np.testing.assert_allclose(stats["c_mean"], c.mean(), rtol=1e-5)
+    np.testing.assert_allclose(stats["c_min"], c.min(), rtol=1e-5)
+    y = y_BxLxD[0, 0]
+    g = rng.normal(size=d)
+    g -= (g @ y) / (y @ y) * y
+    scale = np.full(d, alpha, np.float32)
+    _, vjp = jax.vjp(lambda v: RMSNorm(eps=eps).apply({"params": {"scale": scale}}, v),
+                     jnp.asarray(y, jnp.float32))
+    ratio = np.linalg.norm(vjp(jnp.asarray(g, jnp.float32))[0]) / np.linalg.norm(g)
+    np.testing.assert_allclose(ratio, c[0, 0], rtol=1e-4)
+
+
 def test_attention_row_stats_against_numpy_whole_and_by_row_blocks():
     """Per-row entropy, KL and TV to prefix averaging, on the full matrix and on row blocks that
     see only their causal keys (as the blocked kernel computes them), against numpy."""

@@ -9,6 +9,7 @@ import pytest
 from flax.training.train_state import TrainState
 
 from postnorm.diag_step import diag_step, flatten_diagnostics
+from postnorm.metrics import layer_key
 from postnorm.model import Decoder, ModelSpec
 from postnorm.steps import cross_entropy, train_step
 from postnorm.taps import gradient_stats, zero_probes
@@ -101,6 +102,36 @@ def test_diag_step_makes_the_same_update_bitwise(norm, kernel):
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(diag), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert float(plain_metrics["train/loss"]) == float(diag_metrics["train/loss"])
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_diag_step_reports_the_norms_of_the_reference_cotangents(norm):
+    """diag/dldx_{norm,mean_norm,repair_norm}_{attn,ffn,final}: Frobenius norms (not squares)
+    of the jax.vjp cotangents at each sublayer's input on the unscanned reference forward, in
+    layer order, each under its own name."""
+    spec, model, params, inputs, targets = setup(norm)
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(1e-3))
+    _, _, stats = diag_step(state, {"inputs": inputs, "targets": targets},
+                            optax.constant_schedule(1e-3))
+    cotangents = reference_cotangents(spec, params, inputs, targets)
+    for k, g_BxLxD in enumerate(cotangents):
+        g = np.asarray(g_BxLxD, np.float64)
+        mean = g.mean(axis=1, keepdims=True)
+        want = {"dldx_norm": np.sqrt(np.sum(g**2)),
+                "dldx_mean_norm": np.sqrt(g.shape[1] * np.sum(mean**2)),
+                "dldx_repair_norm": np.sqrt(np.sum((g - mean) ** 2))}
+        for name, value in want.items():
+            got = (stats[f"{name}_final"] if k == len(cotangents) - 1
+                   else stats[f"{name}_{('attn', 'ffn')[k % 2]}"][k // 2])
+            np.testing.assert_allclose(got, value, rtol=1e-5, err_msg=f"{name}, tap {k}")
+
+
+def test_flattened_diagnostics_keep_the_layer_index():
+    values = np.arange(12, dtype=np.float32) / 10
+    flat = flatten_diagnostics({"tsim_attn": values, "tsim_final": np.float32(0.5)})
+    assert flat["diag/tsim_final"] == 0.5
+    for layer in range(12):
+        assert flat[layer_key("diag/tsim_attn", layer, 12)] == float(values[layer])
 
 
 @pytest.mark.parametrize("norm", ["post", "pre"])
