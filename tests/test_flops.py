@@ -33,6 +33,21 @@ def test_forward_flops_match_xla_cost_analysis(tie):
     assert train_flops_per_token(spec, 64) == 3 * forward_flops_per_token(spec, 64)
 
 
+def test_attention_flops_against_xla_where_attention_dominates():
+    """n = 512 with one 64-dim head: scores and P V are about 2/3 of the forward FLOPs, so the
+    attention term's coefficient (4 n d per token and layer) is pinned, not just the total."""
+    spec = ModelSpec(vocab_size=64, max_len=512, n_layers=1, d_model=64, n_heads=1, d_ff=64,
+                     positions="none")
+    tokens = jnp.zeros((1, 512), jnp.int32)
+    model = Decoder(spec)
+    params = nn.unbox(model.init(jax.random.key(0), tokens)["params"])
+    compiled = jax.jit(lambda p, x: model.apply({"params": p}, x)).lower(params, tokens).compile()
+    analysis = compiled.cost_analysis()
+    xla_flops = (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
+    formula = forward_flops_per_token(spec, 512) * tokens.size
+    assert formula <= xla_flops <= 1.05 * formula, xla_flops / formula
+
+
 def test_bench_script_reports_every_program_and_variant():
     config = ("configs/default.py:model.n_layers=2,model.d_model=32,model.d_ff=64,"
               "data.seq_len=16,data.batch_size=8,data.vocab_size=128")  # 8 test devices

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from postnorm.initializers import INIT_SCHEMES, kernel_init, kernel_variance
+from postnorm.initializers import INIT_SCHEMES, embedding_init, kernel_init, kernel_variance
 from postnorm.layers import CausalSelfAttention, RMSNorm, SwiGLU, causal_attention_weights
 from postnorm.model import Decoder, ModelSpec, param_count_formula
 from tests import numpy_reference as ref
@@ -71,8 +71,14 @@ def test_causal_token_perturbation_rope():
 @pytest.mark.parametrize("norm", ["post", "pre"])
 @pytest.mark.parametrize("positions,tie", [("rope", False), ("learned", True), ("none", False)])
 def test_matches_numpy_forward(norm, positions, tie):
+    """Against the float64 numpy forward, with random norm gains (at init they are all 1, which
+    would hide a gain applied at the wrong norm)."""
     spec = ModelSpec(**TINY, norm=norm, positions=positions, tie_embeddings=tie)
-    params = init_params(spec, seed=3)
+    rng = np.random.default_rng(4)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: (jnp.asarray(rng.uniform(0.5, 1.5, x.shape), x.dtype)
+                         if getattr(path[-1], "key", None) == "scale" else x),
+        init_params(spec, seed=3))
     tokens = np.random.default_rng(0).integers(0, 50, size=(2, 12))
     logits = np.asarray(Decoder(spec).apply({"params": params}, jnp.asarray(tokens)))
     for b in range(2):
@@ -89,6 +95,14 @@ def test_rms_norm_unit():
     np.testing.assert_allclose(out, ref.rms_norm(y.astype(np.float64), scale, 1e-6), rtol=1e-5)
     unit = RMSNorm(eps=0.0).apply({"params": {"scale": np.ones(8, np.float32)}}, jnp.asarray(y))
     np.testing.assert_allclose(np.sqrt(np.mean(np.square(unit), -1)), 1.0, rtol=1e-5)
+
+
+def test_rms_norm_eps_sits_inside_the_square_root():
+    """eps comparable to mean(y^2), where its placement matters (at 1e-6 it cannot)."""
+    y = np.random.default_rng(2).normal(size=(2, 3, 8)).astype(np.float32) * 0.3
+    scale = np.linspace(0.5, 2.0, 8).astype(np.float32)
+    out = RMSNorm(eps=0.1).apply({"params": {"scale": scale}}, jnp.asarray(y))
+    np.testing.assert_allclose(out, ref.rms_norm(y.astype(np.float64), scale, 0.1), rtol=1e-5)
 
 
 def test_swiglu_unit():
@@ -123,6 +137,39 @@ def test_init_variance(scheme):
     assert abs(w.mean()) < 5 * np.sqrt(expected / w.size)
     if scheme == "torch_default":
         assert np.abs(w).max() <= 1 / np.sqrt(fan_in)
+
+
+@pytest.mark.parametrize("scheme", INIT_SCHEMES)
+def test_layers_are_initialised_independently_with_the_schemes_variance(scheme):
+    """Every stacked layer weight: its own draw (no correlation between layers) with the
+    scheme's variance for its fan-in and fan-out."""
+    spec = ModelSpec(**{**TINY, "n_layers": 4, "d_model": 64, "d_ff": 96}, init=scheme)
+    params = init_params(spec)
+    for group in ("attn", "ffn"):
+        for name, w in params["layers"][group].items():
+            w_Lxrest = np.asarray(w, np.float64).reshape(w.shape[0], -1)
+            between = np.corrcoef(w_Lxrest)[np.triu_indices(w.shape[0], 1)]
+            assert np.abs(between).max() < 0.1, (name, between)  # ~0.02 if independent
+            np.testing.assert_allclose(w_Lxrest.var(1), kernel_variance(scheme, *w.shape[1:]),
+                                       rtol=0.15, err_msg=name)
+
+
+@pytest.mark.parametrize("scheme", INIT_SCHEMES)
+def test_embedding_std(scheme):
+    w = np.asarray(embedding_init(scheme)(jax.random.key(0), (1000, 256), jnp.float32))
+    np.testing.assert_allclose(w.std(), 0.02 if scheme == "normal_0.02" else 1.0, rtol=0.01)
+
+
+def test_bounded_init_schemes_respect_their_support():
+    """xavier is uniform on +-sqrt(6 / (fan_in + fan_out)); lecun_normal is truncated at two
+    standard deviations of the untruncated normal it rescales."""
+    fan_in, fan_out = 512, 1536
+    xavier = np.asarray(kernel_init("xavier")(jax.random.key(0), (fan_in, fan_out), jnp.float32))
+    assert np.abs(xavier).max() <= np.sqrt(6 / (fan_in + fan_out))
+    assert np.abs(xavier).max() > 0.99 * np.sqrt(6 / (fan_in + fan_out))
+    lecun = np.asarray(kernel_init("lecun_normal")(jax.random.key(0), (fan_in, fan_out),
+                                                   jnp.float32))
+    assert np.abs(lecun).max() <= 2 * np.sqrt(1 / fan_in) / 0.87962566103423978 * (1 + 1e-6)
 
 
 def test_attention_energy_on_identical_tokens_is_s():

@@ -13,11 +13,13 @@ import shutil
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from configs.default import get_config
 from postnorm.data import load_data
 from postnorm.model import ModelSpec
+from postnorm.nonfinite import GuardedState, guard
 from postnorm.optim import make_optimizer
 from postnorm.sharding import batch_sharding, make_mesh
 from postnorm.step_builder import compile_steps
@@ -67,6 +69,25 @@ def _host(tree) -> list[np.ndarray]:
 
 def _bitwise_equal(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
     return all(x.tobytes() == y.tobytes() for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("halt", [False, True])
+def test_a_finite_loss_with_a_nonfinite_gradient_norm_is_not_applied(halt):
+    state = GuardedState.create_guarded(apply_fn=None, params={"w": jnp.ones(3)},
+                                        tx=optax.sgd(0.1))
+
+    def step(grad_norm: float):
+        def step_fn(s, _batch):
+            metrics = {"train/loss": jnp.float32(1.0), "train/grad_norm": jnp.float32(grad_norm),
+                       "train/lr": jnp.float32(0.1)}
+            return s.apply_gradients(grads={"w": jnp.ones(3)}), metrics
+        return guard(step_fn, halt=halt)(state, None)
+
+    kept, _ = step(np.inf)
+    np.testing.assert_array_equal(kept.params["w"], np.ones(3))
+    assert int(kept.skipped_steps) == 1 and int(kept.step) == 0
+    applied, _ = step(1.0)  # control: the same step with a finite gradient norm is applied
+    np.testing.assert_allclose(applied.params["w"], 0.9 * np.ones(3), rtol=1e-6)
 
 
 def test_skip_guard_keeps_the_state_and_counts_the_step():

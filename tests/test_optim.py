@@ -1,0 +1,71 @@
+"""The optimizer and its schedule against a float64 numpy AdamW written from the definitions."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+from postnorm.optim import make_optimizer
+
+
+def numpy_lr(opt: ml_collections.ConfigDict, total_steps: int, step: int) -> float:
+    """Linear warmup from 0, then cosine from lr to lr * min_lr_ratio over the remaining steps
+    (held there after them), or constant."""
+    if step < opt.warmup_steps:
+        return opt.lr * step / opt.warmup_steps
+    if opt.schedule == "constant":
+        return opt.lr
+    frac = min((step - opt.warmup_steps) / (total_steps - opt.warmup_steps), 1.0)
+    cosine = 0.5 * (1 + np.cos(np.pi * frac))
+    return opt.lr * ((1 - opt.min_lr_ratio) * cosine + opt.min_lr_ratio)
+
+
+# Leaves named as in the model; the weight matrices always decay, the gains and embeddings only
+# with opt.decay_norms_and_embeddings.
+SHAPES = {"embedding": (5, 4), "pos_embedding": (3, 4), "lm_head": (4, 5),
+          "layers": {"attn": {"w_q": (2, 4, 4)}, "norm_attn": {"scale": (2, 4)}}}
+ALWAYS_DECAYS = {"embedding": False, "pos_embedding": False, "lm_head": True,
+                 "layers": {"attn": {"w_q": True}, "norm_attn": {"scale": False}}}
+
+
+@pytest.mark.parametrize("decay_all", [False, True])
+@pytest.mark.parametrize("schedule,clip", [("cosine", 1.0), ("constant", 0.0)])
+def test_optimizer_matches_numpy_adamw(decay_all, schedule, clip):
+    """Global-norm clipping, bias-corrected moments with eps outside the square root, decoupled
+    weight decay on the masked leaves, and the schedule, for two steps past its end."""
+    opt = ml_collections.ConfigDict(dict(
+        lr=1e-2, schedule=schedule, warmup_steps=3, min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8,
+        weight_decay=0.1, decay_norms_and_embeddings=decay_all, clip_norm=clip))
+    total = 8
+    tx, schedule_fn = make_optimizer(opt, total)
+    rng = np.random.default_rng(0)
+    is_shape = lambda s: isinstance(s, tuple)  # noqa: E731
+    params = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s), jnp.float32), SHAPES,
+                          is_leaf=is_shape)
+    decays = jax.tree.map(lambda always: always or decay_all, ALWAYS_DECAYS)
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    m = jax.tree.map(np.zeros_like, p)
+    v = jax.tree.map(np.zeros_like, p)
+    state = tx.init(params)
+    for t in range(1, total + 3):
+        lr = numpy_lr(opt, total, t - 1)
+        assert float(schedule_fn(t - 1)) == pytest.approx(lr, rel=1e-6, abs=1e-12)
+        grads = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape) * 3, jnp.float32),
+                             params)
+        g = jax.tree.map(lambda a: np.asarray(a, np.float64), grads)
+        if clip > 0:
+            norm = np.sqrt(sum(np.sum(x**2) for x in jax.tree.leaves(g)))
+            g = jax.tree.map(lambda x, norm=norm: x * min(1.0, clip / norm), g)
+        m = jax.tree.map(lambda m_, g_: opt.b1 * m_ + (1 - opt.b1) * g_, m, g)
+        v = jax.tree.map(lambda v_, g_: opt.b2 * v_ + (1 - opt.b2) * g_**2, v, g)
+        p = jax.tree.map(
+            lambda p_, m_, v_, d_, lr=lr, t=t: p_ - lr * (
+                (m_ / (1 - opt.b1**t)) / (np.sqrt(v_ / (1 - opt.b2**t)) + opt.eps)
+                + opt.weight_decay * d_ * p_),
+            p, m, v, decays)
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(p), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6, err_msg=f"step {t}")
