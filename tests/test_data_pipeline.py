@@ -12,6 +12,8 @@ import pytest
 import sentencepiece as spm
 
 from postnorm.data import LMData, load_data
+from postnorm.data.errors import ShortSplitError
+from postnorm.data.tokenizers import ByteTokenizer
 
 SEQ_LEN = 16
 WORDS = [
@@ -189,3 +191,70 @@ def test_eval_batches_are_deterministic_validation_windows(lm, corpus_dir, refer
     stream = window_stream(a)
     np.testing.assert_array_equal(stream, expected[: len(stream)])
     assert not set(keys) & set(train_keys(lm))
+
+
+DOCS = ["ab", "cde", "fghij", "k", "lmnopq", "rs", "tuvwxyz", "é数", "0123456789", "!?"]
+EOS = 256
+
+
+def byte_stream(docs: list[str]) -> np.ndarray:
+    return np.concatenate([np.append(np.frombuffer(d.encode(), np.uint8), EOS) for d in docs])
+
+
+def packed_batches(stream: np.ndarray, seq_len: int, batch_size: int) -> list[dict]:
+    """Non-overlapping windows of seq_len + 1 tokens, shifted, in full batches."""
+    n_windows = len(stream) // (seq_len + 1)
+    windows = stream[: n_windows * (seq_len + 1)].reshape(n_windows, seq_len + 1)
+    n_batches = n_windows // batch_size
+    return [{"inputs": windows[i * batch_size:(i + 1) * batch_size, :-1],
+             "targets": windows[i * batch_size:(i + 1) * batch_size, 1:]}
+            for i in range(n_batches)]
+
+
+def memory_lm(validation: list[str], seq_len: int) -> LMData:
+    records = [{"text": d.encode()} for d in validation]
+    return LMData(tokenizer=ByteTokenizer(), lfreq=0.0, unigram_counts=np.zeros(257),
+                  fingerprint="", info={"path": "memory"}, seq_len=seq_len, seed=0,
+                  train_records=records, validation_records=records)
+
+
+def test_byte_stream_reference_is_what_it_claims():
+    np.testing.assert_array_equal(byte_stream(["ab", "cde"]), [97, 98, 256, 99, 100, 101, 256])
+
+
+@pytest.mark.parametrize("process_index", [0, 1])
+def test_each_process_evaluates_its_own_validation_documents(process_index):
+    """Validation documents i, i + 2, ... on process i of 2: no process re-evaluates another's."""
+    data = memory_lm(DOCS, seq_len=3)
+    expected = packed_batches(byte_stream(DOCS[process_index::2]), 3, 2)
+    got = data.eval_batches(batch_size=2, num_batches=len(expected),
+                            process_index=process_index, process_count=2)
+    assert_batches_equal(got, expected)
+
+
+def test_eval_batch_count_boundary():
+    """Exactly the full batches are available; one more is refused (no partial batch)."""
+    data = memory_lm(DOCS, seq_len=3)
+    stream = byte_stream(DOCS)
+    n_windows = len(stream) // 4
+    assert n_windows % 2 == 1  # a partial last batch exists and must not be used
+    expected = packed_batches(stream, 3, 2)
+    assert_batches_equal(data.eval_batches(batch_size=2, num_batches=len(expected)), expected)
+    with pytest.raises(ShortSplitError):
+        data.eval_batches(batch_size=2, num_batches=len(expected) + 1)
+
+
+@pytest.mark.parametrize("k", [1, 7])
+def test_a_position_saved_right_after_a_restore_is_the_restored_position(lm, k):
+    """Resume, then checkpoint again before the packer fetches a new document (a second
+    preemption soon after a resume): that checkpoint must resume at the same place."""
+    it = lm.train_iterator(batch_size=4, seed=5)
+    take(it, k)
+    state = json.loads(json.dumps(it.get_state()))
+    expected = take(it, 5)
+    resumed = lm.train_iterator(batch_size=4, seed=5)
+    resumed.set_state(state)
+    again = json.loads(json.dumps(resumed.get_state()))
+    twice = lm.train_iterator(batch_size=4, seed=5)
+    twice.set_state(again)
+    assert_batches_equal(take(twice, 5), expected)

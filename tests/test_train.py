@@ -98,8 +98,9 @@ def test_sharded_step_matches_single_device():
         # The diagnostic step too: with fsdp its per-layer SVDs once deadlocked on CPU.
         state, metrics, diagnostics[name] = steps.diag(state, batch)
         losses[name] = [*history, float(metrics["train/loss"])]
-        if name == "sharded":
-            assert len(state.params["layers"]["ffn"]["w_up"].sharding.device_set) == 8
+        if name == "sharded":  # layers replicated, embed (32) over fsdp 2, mlp (64) over tensor 2
+            w_up = state.params["layers"]["ffn"]["w_up"]
+            assert w_up.sharding.shard_shape(w_up.shape) == (2, 16, 32)
     np.testing.assert_allclose(losses["sharded"], losses["single"], rtol=1e-5)
     assert diagnostics["sharded"].keys() == diagnostics["single"].keys()
     for key, value in diagnostics["single"].items():
@@ -170,3 +171,58 @@ def test_a_failed_start_of_the_loop_closes_the_metric_writer(corpus, tmp_path, m
     with pytest.raises(RuntimeError, match="no watch at step 0"):
         train_and_evaluate(tiny_config(corpus, tmp_path / "tfds"), str(tmp_path / "run"))
     assert closed == ["MetricWriter"]
+
+
+def test_mesh_axis_sizes_and_shard_shapes():
+    """The module docstring's layout: batch over data x fsdp; params: embed over fsdp,
+    heads/mlp/vocab over tensor, layers and norms replicated."""
+    cfg = get_config("layers=2")
+    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 2, 4, 1
+    mesh = make_mesh(cfg.mesh)
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1}
+    assert batch_sharding(mesh).shard_shape((8, 16)) == (1, 16)
+
+    cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor = 1, 2, 4
+    mesh = make_mesh(cfg.mesh)
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "tensor": 4}
+    assert batch_sharding(mesh).shard_shape((8, 16)) == (4, 16)  # replicated over tensor
+    cfg.model.d_model, cfg.model.n_heads, cfg.model.d_ff = 32, 4, 64
+    spec = ModelSpec.from_config(cfg.model, vocab_size=64, max_len=16)
+    tx, schedule = make_optimizer(cfg.opt, 10)
+    params = compile_steps(spec, tx, schedule, mesh).abstract_state.params
+    layers = params["layers"]
+    # layers axis (2) replicated; embed (32) / fsdp 2 = 16; mlp (64) / tensor 4 = 16.
+    assert layers["ffn"]["w_up"].sharding.shard_shape((2, 32, 64)) == (2, 16, 16)
+    assert layers["ffn"]["w_down"].sharding.shard_shape((2, 64, 32)) == (2, 16, 16)
+    # vocab (64) / tensor 4 = 16; embed / fsdp 2 = 16.
+    assert params["embedding"].sharding.shard_shape((64, 32)) == (16, 16)
+
+
+def numpy_cross_entropy(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Per-token -log softmax(logits)[target], float64."""
+    logits = logits.astype(np.float64)
+    m = logits.max(-1, keepdims=True)
+    logz = (m + np.log(np.exp(logits - m).sum(-1, keepdims=True)))[..., 0]
+    return logz - np.take_along_axis(logits, targets[..., None], -1)[..., 0]
+
+
+def test_eval_loss_is_the_token_mean_cross_entropy_of_every_eval_batch(tmp_path):
+    config = tiny_config(write_corpus(tmp_path / "corpus"), tmp_path / "tfds",
+                         train__eval_batches=3)
+    exp = train.build_experiment(config)
+    assert len(exp.eval_batches) == 3
+    state = exp.steps.init(config.seed)
+    it = train.train_iterator(exp)
+    sharding = batch_sharding(exp.mesh)
+    for _ in range(5):  # some training, so the batches' losses differ
+        state, _ = exp.steps.train(state, train.global_batch(next(it), sharding))
+    per_token = [
+        numpy_cross_entropy(np.asarray(state.apply_fn({"params": state.params}, b["inputs"])),
+                             b["targets"])
+        for b in exp.eval_batches
+    ]
+    means = [float(t.mean()) for t in per_token]
+    assert max(means) - min(means) > 1e-3, means  # the batches are told apart
+    # Equal-size batches: the mean of batch means is the token-weighted mean.
+    expected = float(np.concatenate([t.ravel() for t in per_token]).mean())
+    assert train.evaluate(exp, state) == pytest.approx(expected, rel=2e-6)
