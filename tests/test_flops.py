@@ -13,6 +13,15 @@ from postnorm.flops import forward_flops_per_token, matmul_params, train_flops_p
 from postnorm.model import Decoder, ModelSpec
 
 
+def xla_forward_flops(spec: ModelSpec, tokens: jax.Array) -> float:
+    """XLA's cost analysis of the compiled forward pass at init."""
+    model = Decoder(spec)
+    params = nn.unbox(model.init(jax.random.key(0), tokens)["params"])
+    compiled = jax.jit(lambda p, x: model.apply({"params": p}, x)).lower(params, tokens).compile()
+    analysis = compiled.cost_analysis()
+    return (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_forward_flops_match_xla_cost_analysis(tie):
     """XLA counts every dot (2 M N K) plus elementwise work, which adds about 2% here.
@@ -22,11 +31,7 @@ def test_forward_flops_match_xla_cost_analysis(tie):
     spec = ModelSpec(vocab_size=512, max_len=64, n_layers=3, d_model=64, n_heads=4, d_ff=256,
                      tie_embeddings=tie, positions="none", scan_unroll=3)
     tokens = jnp.zeros((2, 64), jnp.int32)
-    model = Decoder(spec)
-    params = nn.unbox(model.init(jax.random.key(0), tokens)["params"])
-    compiled = jax.jit(lambda p, x: model.apply({"params": p}, x)).lower(params, tokens).compile()
-    analysis = compiled.cost_analysis()
-    xla_flops = (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
+    xla_flops = xla_forward_flops(spec, tokens)
     formula = forward_flops_per_token(spec, 64) * tokens.size
     assert formula <= xla_flops <= 1.05 * formula
     assert matmul_params(spec) == 3 * (4 * 64**2 + 3 * 64 * 256) + 64 * 512
@@ -39,11 +44,7 @@ def test_attention_flops_against_xla_where_attention_dominates():
     spec = ModelSpec(vocab_size=64, max_len=512, n_layers=1, d_model=64, n_heads=1, d_ff=64,
                      positions="none")
     tokens = jnp.zeros((1, 512), jnp.int32)
-    model = Decoder(spec)
-    params = nn.unbox(model.init(jax.random.key(0), tokens)["params"])
-    compiled = jax.jit(lambda p, x: model.apply({"params": p}, x)).lower(params, tokens).compile()
-    analysis = compiled.cost_analysis()
-    xla_flops = (analysis[0] if isinstance(analysis, list) else analysis)["flops"]
+    xla_flops = xla_forward_flops(spec, tokens)
     formula = forward_flops_per_token(spec, 512) * tokens.size
     assert formula <= xla_flops <= 1.05 * formula, xla_flops / formula
 

@@ -258,6 +258,13 @@ def test_the_report_says_where_an_incomplete_run_ends(tmp_path):
         str(tmp_path))
 
 
+def run_script(source: str) -> subprocess.CompletedProcess:
+    """``python -c source`` from the repository root: experiments.collapse and
+    experiments.sweep define the same absl flags, so each script imports one of them alone."""
+    return subprocess.run([sys.executable, "-c", source], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+
+
 # ---------------------------------------------------------------- experiments.collapse
 COLLAPSE_CHECK = r"""
 import math
@@ -307,8 +314,7 @@ print("ok")
 
 def test_the_collapse_tables_average_and_label_hand_computed_values():
     """In a subprocess: experiments.collapse and experiments.sweep define the same flags."""
-    result = subprocess.run([sys.executable, "-c", COLLAPSE_CHECK], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+    result = run_script(COLLAPSE_CHECK)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
@@ -347,8 +353,7 @@ print("ok")
 
 
 def test_the_sweep_table_and_map_show_each_runs_own_loss_over_lfreq():
-    result = subprocess.run([sys.executable, "-c", SWEEP_CHECK], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+    result = run_script(SWEEP_CHECK)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
@@ -374,8 +379,7 @@ print(out.getvalue())
 
 
 def test_batch_floor_statistics_are_hand_computed():
-    result = subprocess.run([sys.executable, "-c", BATCH_FLOORS_CHECK], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+    result = run_script(BATCH_FLOORS_CHECK)
     assert result.returncode == 0, result.stderr[-3000:]
     seed = json.loads(result.stdout[result.stdout.index("{"):])["seeds"]["0"]
     squares = [float(s * s) for s in range(1, 21)]
