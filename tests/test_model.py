@@ -1,5 +1,7 @@
 """Model tests: shapes, parameter count, causality, numpy reference forward, sublayers, init."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -16,7 +18,7 @@ TINY = dict(vocab_size=50, max_len=12, n_layers=3, d_model=16, n_heads=4, d_ff=2
 
 def init_params(spec: ModelSpec, seed: int = 0):
     tokens = jnp.zeros((1, spec.max_len), jnp.int32)
-    return nn.unbox(Decoder(spec).init(jax.random.key(seed), tokens)["params"])
+    return nn.unbox(jax.jit(Decoder(spec).init)(jax.random.key(seed), tokens)["params"])
 
 
 @pytest.mark.parametrize("norm", ["post", "pre"])
@@ -188,12 +190,22 @@ def test_attention_energy_on_identical_tokens_is_s():
     np.testing.assert_allclose(np.mean(ratios), s, rtol=0.1)
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def _loss_and_grads(spec: ModelSpec, params, tokens):
     def loss(p):
         logits = Decoder(spec).apply({"params": p}, tokens[:, :-1])
         return jnp.mean(jax.nn.logsumexp(logits, -1)
                         - jnp.take_along_axis(logits, tokens[:, 1:, None], -1)[..., 0])
     return jax.value_and_grad(loss)(params)
+
+
+@functools.cache
+def _plain_model_loss_and_grads(norm: str):
+    """The plain model's parameters, tokens, loss and gradients: the variants' reference."""
+    plain = ModelSpec(**{**TINY, "max_len": 11}, norm=norm)
+    params = init_params(plain)
+    tokens = jax.random.randint(jax.random.key(3), (2, 12), 0, 50)
+    return params, tokens, *_loss_and_grads(plain, params, tokens)
 
 
 @pytest.mark.parametrize("norm", ["post", "pre"])
@@ -205,10 +217,7 @@ def _loss_and_grads(spec: ModelSpec, params, tokens):
                                      dict(attention="xla", remat="dots")])
 def test_remat_attention_kernels_and_unrolling_do_not_change_the_function(norm, variant):
     """Every remat policy, attention kernel and unroll gives the plain model's loss and grads."""
-    plain = ModelSpec(**{**TINY, "max_len": 11}, norm=norm)
-    params = init_params(plain)
-    tokens = jax.random.randint(jax.random.key(3), (2, 12), 0, 50)
-    loss, grads = _loss_and_grads(plain, params, tokens)
+    params, tokens, loss, grads = _plain_model_loss_and_grads(norm)
     other_loss, other_grads = _loss_and_grads(ModelSpec(**{**TINY, "max_len": 11}, norm=norm,
                                                         **variant), params, tokens)
     np.testing.assert_allclose(other_loss, loss, rtol=1e-6)

@@ -1,5 +1,7 @@
 """Backward taps against jax.vjp cotangents of an unscanned forward; diag_step vs train_step."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -28,11 +30,14 @@ KERNELS = {"einsum": {}, "blocked": dict(attention="blocked", attention_block=5)
 NORMS_AND_KERNELS = [("post", "einsum"), ("pre", "einsum"), ("post", "blocked")]
 
 
+@functools.cache
 def setup(norm: str, seed: int = 0, kernel: str = "einsum"):
+    """The spec, model, initial parameters, inputs and targets of a small model (cached: its
+    arrays are immutable)."""
     spec = ModelSpec(**{**SPEC, **KERNELS[kernel]}, norm=norm)
     tokens = jax.random.randint(jax.random.key(seed + 1), (3, 17), 0, 40)
     model = Decoder(spec)
-    params = nn.unbox(model.init(jax.random.key(seed), tokens[:, :-1])["params"])
+    params = nn.unbox(jax.jit(model.init)(jax.random.key(seed), tokens[:, :-1])["params"])
     return spec, model, params, tokens[:, :-1], tokens[:, 1:]
 
 
@@ -40,6 +45,7 @@ def rope_base(spec):
     return spec.rope_base if spec.positions == "rope" else None
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def reference_cotangents(spec, params, inputs, targets):
     """dL/dX_k at every sublayer input and at the final hidden state, via jax.vjp."""
     maps = ref.sublayers(params, n_layers=spec.n_layers, n_heads=spec.n_heads, norm=spec.norm,
@@ -62,6 +68,23 @@ def reference_cotangents(spec, params, inputs, targets):
     return cotangents
 
 
+@functools.cache
+def reference_cotangents_of(norm: str, kernel: str) -> list[np.ndarray]:
+    """reference_cotangents of setup(norm, kernel=kernel), in float64."""
+    spec, _, params, inputs, targets = setup(norm, kernel=kernel)
+    return [np.asarray(g, np.float64) for g in reference_cotangents(spec, params, inputs, targets)]
+
+
+@functools.cache
+def diag_step_of(norm: str, kernel: str = "einsum"):
+    """The jitted diag_step's new state, metrics and statistics on setup(norm, kernel=kernel)
+    with AdamW at lr 1e-3, on the host."""
+    _, model, params, inputs, targets = setup(norm, kernel=kernel)
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(1e-3))
+    return jax.device_get(jax.jit(diag_step, static_argnums=2)(
+        state, {"inputs": inputs, "targets": targets}, optax.constant_schedule(1e-3)))
+
+
 @pytest.mark.parametrize(("norm", "kernel"), [*NORMS_AND_KERNELS, ("pre", "default")])
 def test_tap_statistics_match_vjp_cotangents(norm, kernel):
     spec, model, params, inputs, targets = setup(norm, kernel=kernel)
@@ -70,11 +93,10 @@ def test_tap_statistics_match_vjp_cotangents(norm, kernel):
         logits, _ = model.apply({"params": params}, inputs, probes=probes)
         return cross_entropy(logits, targets)
 
-    probe_grads = jax.grad(loss_fn)(zero_probes(spec.n_layers))
+    probe_grads = jax.jit(jax.grad(loss_fn))(zero_probes(spec.n_layers))
     got_Kx3 = np.concatenate([np.asarray(probe_grads["layers"]).reshape(-1, 3),
                               np.asarray(probe_grads["final"])[None]])
-    for k, g in enumerate(reference_cotangents(spec, params, inputs, targets)):
-        g = np.asarray(g, np.float64)
+    for k, g in enumerate(reference_cotangents_of(norm, kernel)):
         mean = g.mean(axis=1, keepdims=True)
         want = [np.sum(g**2), g.shape[1] * np.sum(mean**2), np.sum((g - mean) ** 2)]
         np.testing.assert_allclose(got_Kx3[k], want, rtol=1e-5, err_msg=f"tap {k}")
@@ -92,13 +114,11 @@ def test_gradient_stats_decompose_the_norm():
 
 @pytest.mark.parametrize(("norm", "kernel"), NORMS_AND_KERNELS)
 def test_diag_step_makes_the_same_update_bitwise(norm, kernel):
-    spec, model, params, inputs, targets = setup(norm, kernel=kernel)
-    tx = optax.adamw(1e-3)
-    schedule = optax.constant_schedule(1e-3)
-    batch = {"inputs": inputs, "targets": targets}
-    make = lambda: TrainState.create(apply_fn=model.apply, params=params, tx=tx)  # noqa: E731
-    plain, plain_metrics = jax.jit(train_step, static_argnums=2)(make(), batch, schedule)
-    diag, diag_metrics, stats = jax.jit(diag_step, static_argnums=2)(make(), batch, schedule)
+    _, model, params, inputs, targets = setup(norm, kernel=kernel)
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(1e-3))
+    plain, plain_metrics = jax.jit(train_step, static_argnums=2)(
+        state, {"inputs": inputs, "targets": targets}, optax.constant_schedule(1e-3))
+    diag, diag_metrics, _ = diag_step_of(norm, kernel)
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(diag), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert float(plain_metrics["train/loss"]) == float(diag_metrics["train/loss"])
@@ -109,13 +129,9 @@ def test_diag_step_reports_the_norms_of_the_reference_cotangents(norm):
     """diag/dldx_{norm,mean_norm,repair_norm}_{attn,ffn,final}: Frobenius norms (not squares)
     of the jax.vjp cotangents at each sublayer's input on the unscanned reference forward, in
     layer order, each under its own name."""
-    spec, model, params, inputs, targets = setup(norm)
-    state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(1e-3))
-    _, _, stats = diag_step(state, {"inputs": inputs, "targets": targets},
-                            optax.constant_schedule(1e-3))
-    cotangents = reference_cotangents(spec, params, inputs, targets)
-    for k, g_BxLxD in enumerate(cotangents):
-        g = np.asarray(g_BxLxD, np.float64)
+    _, _, stats = diag_step_of(norm)
+    cotangents = reference_cotangents_of(norm, "einsum")
+    for k, g in enumerate(cotangents):
         mean = g.mean(axis=1, keepdims=True)
         want = {"dldx_norm": np.sqrt(np.sum(g**2)),
                 "dldx_mean_norm": np.sqrt(g.shape[1] * np.sum(mean**2)),
@@ -136,12 +152,7 @@ def test_flattened_diagnostics_keep_the_layer_index():
 
 @pytest.mark.parametrize("norm", ["post", "pre"])
 def test_every_statistic_is_finite_and_nonzero(norm):
-    spec, model, params, inputs, targets = setup(norm)
-    tx = optax.adamw(1e-3)
-    state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-    _, _, stats = diag_step(state, {"inputs": inputs, "targets": targets},
-                            optax.constant_schedule(1e-3))
-    flat = flatten_diagnostics(jax.device_get(stats))
+    flat = flatten_diagnostics(diag_step_of(norm)[2])
     assert "diag/tsim_attn/layer_02" in flat and "diag/dldx_norm_final" in flat
     names = {key.split("/")[1] for key in flat}
     for name in names:
@@ -226,13 +237,8 @@ def test_blocked_kernel_gives_the_einsum_kernels_statistics():
     """Blocks of 5 query rows over n = 16 (5, 5, 5, 1): every per-layer statistic, attention
     entropy, KL and TV included, matches the materialised-probabilities kernel's (Post-Norm;
     the kernel does not depend on the placement)."""
-    batch_stats = {}
-    for kernel in KERNELS:
-        spec, model, params, inputs, targets = setup("post", kernel=kernel)
-        state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(1e-3))
-        _, _, stats = diag_step(state, {"inputs": inputs, "targets": targets},
-                                optax.constant_schedule(1e-3))
-        batch_stats[kernel] = flatten_diagnostics(jax.device_get(stats))
+    batch_stats = {kernel: flatten_diagnostics(diag_step_of("post", kernel)[2])
+                   for kernel in KERNELS}
     einsum, blocked = batch_stats["einsum"], batch_stats["blocked"]
     assert set(blocked) == set(einsum) and "diag/attn_tv_uniform/layer_02" in einsum
     for key, value in einsum.items():
@@ -241,10 +247,7 @@ def test_blocked_kernel_gives_the_einsum_kernels_statistics():
 
 def test_per_layer_parameter_gradient_and_update_norms_against_numpy():
     spec, model, params, inputs, targets = setup("post")
-    tx = optax.adamw(1e-3)
-    state = TrainState.create(apply_fn=model.apply, params=params, tx=tx)
-    batch = {"inputs": inputs, "targets": targets}
-    new_state, _, stats = diag_step(state, batch, optax.constant_schedule(1e-3))
+    new_state, _, stats = diag_step_of("post")
 
     def loss_fn(p):
         return cross_entropy(model.apply({"params": p}, inputs), targets)
