@@ -17,6 +17,7 @@ from postnorm.preemption import Preempted, PreemptionWatch
 from postnorm.train import train_and_evaluate
 from tests.reliability_helpers import (
     config_flag,
+    finalized_steps,
     jax_cache_dir,
     read_losses,
     read_records,
@@ -112,7 +113,8 @@ def test_truncating_metrics_drops_a_line_torn_by_a_kill(tmp_path):
 def test_eval_beside_a_live_trainer_leaves_both_intact(tmp_path, tmp_path_factory):
     """--mode=eval, repeated, on the workdir of a run that saves every step and keeps two:
     each eval restores a step, and the trainer (whose in-flight saves and deleted steps the
-    evals see) finishes normally."""
+    evals see) goes on and, stopped by SIGTERM once three evals have run beside it, saves
+    and exits as a preempted run does, every logged step once."""
     config = config_flag(write_corpus(tmp_path / "corpus"), tmp_path / "tfds", train__steps=300,
                          train__ckpt_every=1, train__keep_ckpts=2, train__log_every=10,
                          train__eval_every=1000, diag__every=1000)
@@ -127,9 +129,14 @@ def test_eval_beside_a_live_trainer_leaves_both_intact(tmp_path, tmp_path_factor
         assert re.search(r"eval of the checkpoint at step \d+: loss", result.stderr)
         if trainer.poll() is None:
             beside.append(result)
+    assert len(beside) == 3, "the trainer finished before three evals did: lengthen the run"
+    trainer.send_signal(signal.SIGTERM)
     assert trainer.wait(timeout=300) == 0, log.read_text()[-3000:]
-    assert beside, "the trainer finished before any eval did: lengthen the run"
-    assert max(read_losses(workdir)) == 300
+    stop = re.search(r"postnorm: preempted at step (\d+): checkpoint saved", log.read_text())
+    assert stop, log.read_text()[-3000:]
+    assert int(stop.group(1)) in finalized_steps(workdir)
+    logged = [r["step"] for r in read_records(workdir) if "train/loss" in r]
+    assert logged == sorted(set(logged)) and 10 < logged[-1] <= int(stop.group(1))
 
 
 def test_a_second_trainer_of_the_same_workdir_is_refused(tmp_path, tmp_path_factory):
