@@ -65,9 +65,17 @@ def _wait(processes, logs) -> None:
         assert process.wait(timeout=300) == 0, log.read_text()[-3000:]
 
 
-def _reference_losses(config) -> dict[int, float]:
-    """One process's losses on the two processes' concatenated batches, on a mesh of 2 of
-    this pytest process's 8 CPU devices (the shape of the two-process mesh)."""
+def _concatenated(parts: list[dict[str, np.ndarray]], mesh) -> dict[str, jax.Array]:
+    """Process 0's rows, then process 1's: the global batch of the two-process run."""
+    return {k: jax.device_put(np.concatenate([p[k] for p in parts]), batch_sharding(mesh))
+            for k in parts[0]}
+
+
+def _reference_losses(config) -> tuple[dict[int, float], float]:
+    """One process's train losses on the two processes' concatenated batches, on a mesh of 2
+    of this pytest process's 8 CPU devices (the shape of the two-process mesh), and the final
+    state's eval loss on the concatenated eval batches (each process's half of the batch
+    size, from its own validation shard)."""
     data = load_data(config.data, seed=config.seed)
     spec = ModelSpec.from_config(config.model, vocab_size=data.tokenizer.vocab_size,
                                  max_len=config.data.seq_len)
@@ -78,15 +86,17 @@ def _reference_losses(config) -> dict[int, float]:
                                   process_count=2) for i in range(2)]
     state, losses = steps.init(config.seed), {}
     for step in range(1, STEPS + 1):
-        parts = [next(shard) for shard in shards]
-        batch = {k: jax.device_put(np.concatenate([p[k] for p in parts]), batch_sharding(mesh))
-                 for k in parts[0]}
+        batch = _concatenated([next(shard) for shard in shards], mesh)
         if step % config.diag.every == 0 or step == 1:  # as main.py chooses the step
             state, metrics, _ = steps.diag(state, batch)
         else:
             state, metrics = steps.train(state, batch)
         losses[step] = float(metrics["train/loss"])
-    return losses
+    evals = [data.eval_batches(batch_size=4, num_batches=config.train.eval_batches,
+                               process_index=i, process_count=2) for i in range(2)]
+    eval_loss = np.mean([float(steps.evaluate(state, _concatenated(list(parts), mesh)))
+                         for parts in zip(*evals, strict=True)])
+    return losses, float(eval_loss)
 
 
 @pytest.mark.slow
@@ -136,10 +146,11 @@ def test_two_processes_preempt_resume_and_match_one_process(tmp_path, tmp_path_f
             "so resume it with 2 processes") in single.stderr
     assert not list((workdir / "checkpoints").glob("*.corrupt*"))  # nothing was set aside
 
-    want = _reference_losses(tiny_config(corpus, tmp_path / "tfds", **FIELDS))
+    want, want_eval = _reference_losses(tiny_config(corpus, tmp_path / "tfds", **FIELDS))
     # On one machine the two agree bit for bit; allclose leaves room for collective order.
     np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(got)],
                                rtol=1e-6)
+    np.testing.assert_allclose(final_eval[-1], want_eval, rtol=1e-6)
 
 
 @pytest.mark.parametrize("flags,message", [
