@@ -1,18 +1,20 @@
 """Metric output: TensorBoard event files, ``metrics.jsonl`` and a progress line with ETA.
 
-TensorBoard events are written with tensorboardX (clu's metric writers import TensorFlow).
+TensorBoard event files are written with tensorboardX's record writer and protos (clu's
+metric writers import TensorFlow), in the caller's thread (``postnorm/event_file.py``).
 Only process 0 writes. Per-layer keys carry a zero-padded layer index (``layer_07``).
 """
 
+import contextlib
 import itertools
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import numpy as np
-from tensorboardX import SummaryWriter
 
+from postnorm.event_file import EventFile
 from postnorm.json_numbers import as_text, from_text
 
 JSONL_NAME = "metrics.jsonl"
@@ -26,6 +28,10 @@ def layer_key(name: str, layer: int, n_layers: int) -> str:
 
 class MetricsFileError(ValueError):
     """A ``metrics.jsonl`` that is missing or has a line that is not a step's JSON record."""
+
+
+class MetricsWriteError(RuntimeError):
+    """Writing ``metrics.jsonl`` or a TensorBoard event file failed (a full disk, a quota)."""
 
 
 def _complete_lines(path: str) -> list[tuple[bytes, dict]]:
@@ -88,34 +94,63 @@ class MetricWriter:
         ``truncate_jsonl`` drops their JSONL records. None: hide nothing."""
         self.enabled = enabled
         self.jsonl_path = os.path.join(workdir, JSONL_NAME)
-        # tensorboardX names a file by the second it was opened and opens it with "wb": a
-        # writer reopened within that second (a rollback's restart) would erase the first.
+        self.tensorboard_dir = os.path.join(workdir, "tensorboard")
+        self._failed = False
+        self._tb, self._jsonl = None, None
+        if not enabled:
+            return
+        # An event file is named by the second it was opened and opened with "wb": a writer
+        # reopened within that second (a rollback's restart) would erase the first.
         suffix = f".{os.getpid()}.{next(_WRITER_COUNT):04d}"
-        self._tb = (SummaryWriter(logdir=os.path.join(workdir, "tensorboard"),
-                                  purge_step=None if after_step is None else after_step + 1,
-                                  filename_suffix=suffix)
-                    if enabled else None)
-        self._jsonl = open(self.jsonl_path, "a") if enabled else None  # noqa: SIM115
+        with self._writing(self.tensorboard_dir):
+            self._tb = EventFile(self.tensorboard_dir, filename_suffix=suffix,
+                                 purge_step=None if after_step is None else after_step + 1)
+        with self._writing(self.jsonl_path):
+            self._jsonl = open(self.jsonl_path, "a")  # noqa: SIM115
+
+    @contextlib.contextmanager
+    def _writing(self, path: str) -> Iterator[None]:
+        """Turns an ``OSError`` while writing ``path`` into a ``MetricsWriteError``."""
+        try:
+            yield
+        except OSError as err:
+            self._failed = True
+            raise MetricsWriteError(
+                f"Writing {path} failed ({err.strerror or err}). Free space on its file system "
+                "(or raise the quota or file-size limit that stopped it), then rerun: the run "
+                "resumes from its latest finalized checkpoint") from err
 
     def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
         if not self.enabled:
             return
         record = {"step": int(step)}
-        for key, value in scalars.items():
-            value = float(np.asarray(value))
-            record[key] = as_text(value)
-            self._tb.add_scalar(key, value, global_step=int(step))
-        self._jsonl.write(json.dumps(record) + "\n")
+        with self._writing(self.tensorboard_dir):
+            for key, value in scalars.items():
+                value = float(np.asarray(value))
+                record[key] = as_text(value)
+                self._tb.add_scalar(key, value, int(step))
+        with self._writing(self.jsonl_path):
+            self._jsonl.write(json.dumps(record) + "\n")
 
     def flush(self) -> None:
         if self.enabled:
-            self._jsonl.flush()
-            self._tb.flush()
+            with self._writing(self.jsonl_path):
+                self._jsonl.flush()
+            with self._writing(self.tensorboard_dir):
+                self._tb.flush()
 
     def close(self) -> None:
-        if self.enabled:
-            self._jsonl.close()
-            self._tb.close()
+        """Closes the files; after a failed write, without raising again."""
+        for path, file in ((self.jsonl_path, self._jsonl), (self.tensorboard_dir, self._tb)):
+            if file is None:
+                continue
+            if self._failed:
+                with contextlib.suppress(OSError):
+                    file.close()
+            else:
+                with self._writing(path):
+                    file.close()
+        self._tb, self._jsonl = None, None
 
 
 def _duration(seconds: float) -> str:

@@ -9,14 +9,14 @@ from postnorm.allocator import AllocatorError
 from postnorm.checkpoint import CheckpointError
 from postnorm.compilation_cache import CompilationCacheError
 from postnorm.data import DataError
-from postnorm.metrics import MetricsFileError
+from postnorm.metrics import MetricsFileError, MetricsWriteError
 from postnorm.preemption import Stopped
 from postnorm.run_config import WorkdirError
 from postnorm.sweep import SweepError
 from postnorm.validation import ConfigError
 
 USER_ERRORS = (ConfigError, AllocatorError, CompilationCacheError, DataError, CheckpointError,
-               WorkdirError, MetricsFileError, SweepError)
+               WorkdirError, MetricsFileError, MetricsWriteError, SweepError)
 
 
 def exit_2_on_user_error(main: Callable[[list[str]], None]) -> Callable[[list[str]], None]:

@@ -23,6 +23,7 @@ from tests.reliability_helpers import (
     config_flag,
     finalized_steps,
     jax_cache_dir,
+    read_records,
     subprocess_env,
     tiny_config,
     write_corpus,
@@ -61,13 +62,15 @@ def setup(tmp_path_factory):
     return flag, jax_cache_dir(tmp_path_factory)
 
 
-def _main(setup, workdir: Path, file_size_limit_kib: int | None = None):
-    """main.py on ``workdir``; with a limit, bash's ``ulimit -f`` sets RLIMIT_FSIZE first.
+def _main(setup, workdir: Path, file_size_limit_kib: int | None = None, **overrides):
+    """main.py on ``workdir`` (config fields as ``section__field=value``); with a limit,
+    bash's ``ulimit -f`` sets RLIMIT_FSIZE first.
 
     A limited run gets its own compilation cache: the limit would truncate the entries it
     writes, and the session's other runs would then read them.
     """
     flag, cache = setup
+    flag += "".join(f",{k.replace('__', '.')}={v}" for k, v in overrides.items())
     command = [sys.executable, "main.py", "--config", flag, "--workdir", str(workdir)]
     if file_size_limit_kib:
         command = ["bash", "-c", f'ulimit -f {file_size_limit_kib} && exec "$@"', "bash",
@@ -120,6 +123,45 @@ def test_full_disk_during_a_checkpoint_is_a_clear_error_and_leaves_no_checkpoint
     ckpt = Checkpointer(str(workdir / "checkpoints"), save_every=4, keep=3)
     assert ckpt.latest_step() is None
     ckpt.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failure", ["tensorboard-tmpfs-full", "jsonl-tmpfs-full",
+                                     "file-size-limit"])
+def test_full_disk_while_logging_is_a_clear_error_and_a_rerun_resumes(
+        setup, tmp_path, failure, mounts):
+    """No checkpoint before step 1000 and diagnostics at every step, so the metrics files
+    outgrow 16 KiB first (the event file before metrics.jsonl under a file-size limit): the
+    run stops with one line naming what failed, every record written is whole, and the same
+    command without the limit trains the run to its end."""
+    workdir = tmp_path / "run"
+    fields = dict(train__ckpt_every=1000, diag__every=1)
+    if failure == "file-size-limit":
+        result = _main(setup, workdir, file_size_limit_kib=16, **fields)
+        failed, reason = f"{workdir}/tensorboard", "File too large"
+    else:
+        if failure == "tensorboard-tmpfs-full":
+            mounts(workdir / "tensorboard", "size=16k")
+            failed = f"{workdir}/tensorboard"
+        else:  # the event files get room of their own
+            mounts(workdir, "size=32k")  # 16 KiB for the files written before the loop
+            mounts(workdir / "tensorboard", "size=1m")
+            failed = f"{workdir}/metrics.jsonl"
+        result, reason = _main(setup, workdir, **fields), "No space left on device"
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    error = result.stderr[result.stderr.index("postnorm: error: "):].splitlines()[0]
+    assert error == (f"postnorm: error: Writing {failed} failed ({reason}). Free space on its "
+                     "file system (or raise the quota or file-size limit that stopped it), "
+                     "then rerun: the run resumes from its latest finalized checkpoint")
+    logged = [r["step"] for r in read_records(workdir) if "train/loss" in r]  # whole lines
+    assert logged == list(range(1, len(logged) + 1)) and 1 <= len(logged) < 30
+    assert finalized_steps(workdir) == []
+    if failure == "file-size-limit":
+        result = _main(setup, workdir, **fields)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert [r["step"] for r in read_records(workdir) if "train/loss" in r] \
+            == list(range(1, 31))
 
 
 def test_a_failed_replacement_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):

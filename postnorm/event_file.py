@@ -1,0 +1,40 @@
+"""A TensorBoard event file written in the caller's thread.
+
+tensorboardX's ``SummaryWriter`` hands events to a background thread. A write that fails
+there (a full disk) ends that thread, and the writer's next ``add_scalar`` calls then block
+on its full queue. Here each event is written where it is added, so a failed write raises
+``OSError`` in the training loop, which can report it.
+"""
+
+import os
+import time
+
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto.event_pb2 import Event, SessionLog
+from tensorboardX.summary import scalar
+
+
+class EventFile:
+    """Scalars in ``<logdir>/events.out.tfevents.<second>.<host><filename_suffix>``."""
+
+    def __init__(self, logdir: str, *, filename_suffix: str, purge_step: int | None = None):
+        """``purge_step``: TensorBoard hides the events of earlier files in ``logdir`` at this
+        step and later ones (the records a resumed run writes again)."""
+        os.makedirs(logdir, exist_ok=True)
+        self._events = EventsWriter(os.path.join(logdir, "events"), filename_suffix)
+        if purge_step is not None:  # the two events tensorboardX's SummaryWriter writes
+            self._add(Event(step=purge_step, file_version="brain.Event:2"))
+            self._add(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+
+    def _add(self, event: Event) -> None:
+        event.wall_time = time.time()
+        self._events.write_event(event)
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self._add(Event(step=step, summary=scalar(tag, value)))
+
+    def flush(self) -> None:
+        self._events.flush()
+
+    def close(self) -> None:
+        self._events.close()
