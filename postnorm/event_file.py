@@ -3,14 +3,16 @@
 tensorboardX's ``SummaryWriter`` hands events to a background thread. A write that fails
 there (a full disk) ends that thread, and the writer's next ``add_scalar`` calls then block
 on its full queue. Here each event is written where it is added, so a failed write raises
-``OSError`` in the training loop, which can report it.
+``OSError`` in the training loop, which can report it. The file holds the same records as
+``SummaryWriter``'s.
 """
 
 import os
+import socket
 import time
 
-from tensorboardX.event_file_writer import EventsWriter
 from tensorboardX.proto.event_pb2 import Event, SessionLog
+from tensorboardX.record_writer import RecordWriter
 from tensorboardX.summary import scalar
 
 
@@ -21,20 +23,25 @@ class EventFile:
         """``purge_step``: TensorBoard hides the events of earlier files in ``logdir`` at this
         step and later ones (the records a resumed run writes again)."""
         os.makedirs(logdir, exist_ok=True)
-        self._events = EventsWriter(os.path.join(logdir, "events"), filename_suffix)
+        self.path = os.path.join(logdir, f"events.out.tfevents.{str(time.time())[:10]}."
+                                         f"{socket.gethostname()}{filename_suffix}")
+        self._records = RecordWriter(self.path)
+        self._add(Event(file_version="brain.Event:2"))
         if purge_step is not None:  # the two events tensorboardX's SummaryWriter writes
             self._add(Event(step=purge_step, file_version="brain.Event:2"))
             self._add(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
 
     def _add(self, event: Event) -> None:
         event.wall_time = time.time()
-        self._events.write_event(event)
+        self._records.write(event.SerializeToString())
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         self._add(Event(step=step, summary=scalar(tag, value)))
 
     def flush(self) -> None:
-        self._events.flush()
+        """Writes the buffered events and syncs the file to disk."""
+        self._records.flush()
 
     def close(self) -> None:
-        self._events.close()
+        """Closes the file, also when writing its last events fails (which then raises)."""
+        self._records.close()

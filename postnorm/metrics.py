@@ -6,6 +6,7 @@ Only process 0 writes. Per-layer keys carry a zero-padded layer index (``layer_0
 """
 
 import contextlib
+import errno
 import itertools
 import json
 import os
@@ -32,6 +33,24 @@ class MetricsFileError(ValueError):
 
 class MetricsWriteError(RuntimeError):
     """Writing ``metrics.jsonl`` or a TensorBoard event file failed (a full disk, a quota)."""
+
+
+_OUT_OF_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+@contextlib.contextmanager
+def _writing(path: str) -> Iterator[None]:
+    """Turns an ``OSError`` while writing ``path`` into a ``MetricsWriteError`` that says
+    what to do about it."""
+    try:
+        yield
+    except OSError as err:
+        fix = ("Free space on its file system (or raise the quota or file-size limit that "
+               "stopped it)" if err.errno in _OUT_OF_SPACE else
+               "Make it a writable file in a writable directory")
+        raise MetricsWriteError(f"Writing {path} failed ({err.strerror or err}). {fix}, then "
+                                "rerun: the run resumes from its latest finalized checkpoint"
+                                ) from err
 
 
 def _complete_lines(path: str) -> list[tuple[bytes, dict]]:
@@ -72,14 +91,22 @@ def read_jsonl(path: str) -> list[dict]:
 
 def truncate_jsonl(path: str, last_step: int) -> None:
     """Drop records after ``last_step`` (a resumed run rewrites the steps it repeats), and a
-    last line that a killed writer left without its newline."""
+    last line that a killed writer left without its newline. The file is replaced whole, and
+    only when something is dropped; a failed write leaves it as it was."""
     if not os.path.exists(path):
         return
     kept = [line for line, record in _complete_lines(path) if record["step"] <= last_step]
+    if sum(map(len, kept)) == os.path.getsize(path):
+        return
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
+    try:
+        with _writing(path):
+            with open(tmp, "wb") as f:
+                f.writelines(kept)
+            os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
 
 
 _WRITER_COUNT = itertools.count()
@@ -110,21 +137,19 @@ class MetricWriter:
 
     @contextlib.contextmanager
     def _writing(self, path: str) -> Iterator[None]:
-        """Turns an ``OSError`` while writing ``path`` into a ``MetricsWriteError``."""
+        """``_writing(path)``, remembering a failure (``close`` then raises no more)."""
         try:
-            yield
-        except OSError as err:
+            with _writing(path):
+                yield
+        except MetricsWriteError:
             self._failed = True
-            raise MetricsWriteError(
-                f"Writing {path} failed ({err.strerror or err}). Free space on its file system "
-                "(or raise the quota or file-size limit that stopped it), then rerun: the run "
-                "resumes from its latest finalized checkpoint") from err
+            raise
 
     def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
         if not self.enabled:
             return
         record = {"step": int(step)}
-        with self._writing(self.tensorboard_dir):
+        with self._writing(self._tb.path):
             for key, value in scalars.items():
                 value = float(np.asarray(value))
                 record[key] = as_text(value)
@@ -136,21 +161,25 @@ class MetricWriter:
         if self.enabled:
             with self._writing(self.jsonl_path):
                 self._jsonl.flush()
-            with self._writing(self.tensorboard_dir):
+            with self._writing(self._tb.path):
                 self._tb.flush()
 
     def close(self) -> None:
-        """Closes the files; after a failed write, without raising again."""
-        for path, file in ((self.jsonl_path, self._jsonl), (self.tensorboard_dir, self._tb)):
+        """Closes both files, then raises the first failure; after a failed write, raises
+        nothing more."""
+        failed_before, errors = self._failed, []
+        for path, file in ((self.jsonl_path, self._jsonl),
+                           (self._tb and self._tb.path, self._tb)):
             if file is None:
                 continue
-            if self._failed:
-                with contextlib.suppress(OSError):
-                    file.close()
-            else:
+            try:
                 with self._writing(path):
                     file.close()
+            except MetricsWriteError as err:
+                errors.append(err)
         self._tb, self._jsonl = None, None
+        if errors and not failed_before:
+            raise errors[0]
 
 
 def _duration(seconds: float) -> str:

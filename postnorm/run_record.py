@@ -102,7 +102,7 @@ def run_once(config: ml_collections.ConfigDict, workdir: str, *,
     except NonFiniteError as err:
         status, error = "nonfinite", str(err)
     except BaseException:  # preempted and failed invocations count too; their error wins
-        with contextlib.suppress(DataError):
+        with contextlib.suppress(DataError, OSError):  # a full disk fails this write too
             _add_wall_time(workdir, config, time.perf_counter() - start)
         raise
     wall_s = _add_wall_time(workdir, config, time.perf_counter() - start)

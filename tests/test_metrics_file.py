@@ -1,8 +1,10 @@
 """A damaged or missing metrics.jsonl is a clear error that names the file and line and loses
 nothing; the read-only modes (plots, report) say so without creating anything."""
 
+import errno
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -10,7 +12,13 @@ import pytest
 
 from postnorm import json_numbers, metrics, train
 from postnorm.data.files import write_json_atomic
-from postnorm.metrics import MetricsFileError, MetricWriter, read_jsonl, truncate_jsonl
+from postnorm.metrics import (
+    MetricsFileError,
+    MetricsWriteError,
+    MetricWriter,
+    read_jsonl,
+    truncate_jsonl,
+)
 from tests.reliability_helpers import (
     REPO,
     read_losses,
@@ -177,3 +185,40 @@ def test_a_damaged_metrics_file_stops_training_before_anything_is_built(tmp_path
     with pytest.raises(MetricsFileError, match="line 2 is not a step's JSON record"):
         train.train_and_evaluate(config, str(workdir))
     assert (workdir / "metrics.jsonl").read_bytes() == b'{"step": 1, "a": 1}\nnot json\n'
+
+
+@pytest.mark.parametrize(("code", "fix"), [
+    (errno.ENOSPC, "Free space on its file system"),
+    (errno.EACCES, "Make it a writable file in a writable directory")])
+def test_a_truncation_that_cannot_be_written_is_named_and_leaves_the_file(
+        tmp_path, monkeypatch, code, fix):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n')
+
+    def fail(src, dst):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(metrics.os, "replace", fail)
+    with pytest.raises(MetricsWriteError, match=rf"^Writing {path} failed \(.+\)\. {fix}"):
+        truncate_jsonl(str(path), 1)
+    assert path.read_text() == '{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no .tmp left
+    truncate_jsonl(str(path), 2)  # nothing to drop: the file is not rewritten at all
+
+
+def test_a_writer_that_cannot_write_closes_both_files_and_names_the_event_file(
+        tmp_path, monkeypatch):
+    writer = MetricWriter(str(tmp_path))
+    writer.write_scalars(1, {"train/loss": 2.0})
+
+    def fail():
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    event_file = writer._tb
+    monkeypatch.setattr(event_file._records, "flush", fail)
+    with pytest.raises(MetricsWriteError, match=rf"^Writing {event_file.path} failed \(No space"):
+        writer.flush()
+    jsonl = writer._jsonl
+    writer.close()  # raises nothing more
+    assert jsonl.closed and read_jsonl(str(tmp_path / "metrics.jsonl")) == [
+        {"step": 1, "train/loss": 2.0}]
