@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
+from postnorm.data.files import replace_file
 from postnorm.event_file import EventFile
 from postnorm.json_numbers import as_text, from_text
 
@@ -98,15 +99,8 @@ def truncate_jsonl(path: str, last_step: int) -> None:
     kept = [line for line, record in _complete_lines(path) if record["step"] <= last_step]
     if sum(map(len, kept)) == os.path.getsize(path):
         return
-    tmp = path + ".tmp"
-    try:
-        with _writing(path):
-            with open(tmp, "wb") as f:
-                f.writelines(kept)
-            os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
+    with _writing(path):
+        replace_file(path, b"".join(kept))
 
 
 _WRITER_COUNT = itertools.count()
@@ -121,7 +115,6 @@ class MetricWriter:
         ``truncate_jsonl`` drops their JSONL records. None: hide nothing."""
         self.enabled = enabled
         self.jsonl_path = os.path.join(workdir, JSONL_NAME)
-        self.tensorboard_dir = os.path.join(workdir, "tensorboard")
         self._failed = False
         self._tb, self._jsonl = None, None
         if not enabled:
@@ -129,8 +122,9 @@ class MetricWriter:
         # An event file is named by the second it was opened and opened with "wb": a writer
         # reopened within that second (a rollback's restart) would erase the first.
         suffix = f".{os.getpid()}.{next(_WRITER_COUNT):04d}"
-        with self._writing(self.tensorboard_dir):
-            self._tb = EventFile(self.tensorboard_dir, filename_suffix=suffix,
+        tensorboard_dir = os.path.join(workdir, "tensorboard")
+        with self._writing(tensorboard_dir):
+            self._tb = EventFile(tensorboard_dir, filename_suffix=suffix,
                                  purge_step=None if after_step is None else after_step + 1)
         with self._writing(self.jsonl_path):
             self._jsonl = open(self.jsonl_path, "a")  # noqa: SIM115

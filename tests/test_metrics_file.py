@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from postnorm import json_numbers, metrics, train
+from postnorm.data import files
 from postnorm.data.files import write_json_atomic
 from postnorm.metrics import (
     MetricsFileError,
@@ -198,7 +199,7 @@ def test_a_truncation_that_cannot_be_written_is_named_and_leaves_the_file(
     def fail(src, dst):
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(metrics.os, "replace", fail)
+    monkeypatch.setattr(files.os, "replace", fail)
     with pytest.raises(MetricsWriteError, match=rf"^Writing {path} failed \(.+\)\. {fix}"):
         truncate_jsonl(str(path), 1)
     assert path.read_text() == '{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n'
