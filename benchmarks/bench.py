@@ -16,7 +16,13 @@ Each program is compiled for the config's model on a random token batch of the c
 (``--vocab_size`` defaults to ``data.vocab_size``). ``--variant`` (repeatable) applies the
 config file's named variants and ``key=value`` overrides, written as after the file's colon
 (``pre,model.remat=none``), to the config; every variant's programs then run side by side, and
-each program's time is also reported as a ratio to the first variant's.
+each program's time is also reported as a ratio to the first variant's. ``--xla_options``
+(repeatable) compiles every variant once per set of XLA compile options, applied over the
+config's ``runtime.xla_options`` (``postnorm.xla_options``), so XLA settings compare side by
+side in one process too (they are per compilation, unlike ``XLA_FLAGS``):
+
+    python -m benchmarks.bench --config configs/default.py --programs train \
+        --xla_options '' --xla_options xla_cpu_copy_insertion_use_region_analysis=false
 
 The machine's peak is measured in the same run: a square matmul (``--peak_size``, in
 ``--peak_dtype``: float32 on CPU, bfloat16 for an accelerator's tensor cores),
@@ -59,11 +65,16 @@ from benchmarks.programs import (
 from postnorm.allocator import use_allocator
 from postnorm.config_args import ConfigArgError, apply_arg, config_file_variants, parse_flags
 from postnorm.user_errors import exit_2_on_user_error
+from postnorm.xla_options import XlaOptionsError, compiler_options
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 flags.DEFINE_list("programs", ["train", "diag"], f"Programs to time, from {list(PROGRAMS)}.")
 flags.DEFINE_multi_string("variant", [""], "Config variants and overrides, as after the config "
                            "file's colon (pre,a.b=v); repeat to compare.")
+flags.DEFINE_multi_string("xla_options", [""], "XLA compile options, name=value separated by "
+                          "spaces (e.g. xla_cpu_enable_fast_math=true), over the config's "
+                          "runtime.xla_options; repeat to compare sets side by side. Each set "
+                          "applies to every variant; '' adds nothing.")
 flags.DEFINE_integer("repeats", 5, "Timed repeats of each program (after one warm-up).",
                      lower_bound=1)
 flags.DEFINE_integer("vocab_size", 0, "Vocabulary size; 0: data.vocab_size.", lower_bound=0)
@@ -83,13 +94,21 @@ def main(argv: list[str]) -> None:
     if unknown or not FLAGS.programs:
         raise app.UsageError(f"--programs={FLAGS.programs}: choose one or more of "
                              f"{list(PROGRAMS)}")
-    if len(set(FLAGS.variant)) < len(FLAGS.variant):
-        raise app.UsageError(f"--variant: each variant once, not {FLAGS.variant}")
+    for name in ("variant", "xla_options"):
+        if len(set(FLAGS[name].value)) < len(FLAGS[name].value):
+            raise app.UsageError(f"--{name}: each once, not {FLAGS[name].value}")
     check_benchmark_config(FLAGS.config)
     allocator = use_allocator(FLAGS.config.runtime.allocator)  # may re-execute this command
     compile_afresh()
+    base_options = compiler_options(FLAGS.config.runtime.xla_options)
+    option_sets = {}
+    for text in FLAGS.xla_options:
+        try:
+            option_sets[text] = base_options | compiler_options(text, f"--xla_options={text!r}")
+        except XlaOptionsError as err:
+            raise app.UsageError(str(err)) from err
     named = config_file_variants(config_flags.get_config_filename(FLAGS["config"]))
-    variants, models = {}, {}
+    variants, models, labels = {}, {}, {}
     for overrides in FLAGS.variant:
         try:
             config = apply_arg(copy.deepcopy(FLAGS.config), overrides, named)
@@ -99,8 +118,13 @@ def main(argv: list[str]) -> None:
             raise app.UsageError(f"--variant={overrides!r}: runtime.* is one per process; "
                                  "compare it in separate runs (--config FILE:runtime.allocator=X)")
         check_benchmark_config(config)
-        variants[overrides], models[overrides] = build_programs(
-            config, FLAGS.programs, FLAGS.vocab_size or config.data.vocab_size)
+        for text, options in option_sets.items():
+            label = overrides
+            if len(option_sets) > 1:
+                label += f" | xla: {text or 'config'}"
+            labels[label] = options
+            variants[label], models[label] = build_programs(
+                config, FLAGS.programs, FLAGS.vocab_size or config.data.vocab_size, options)
 
     n = FLAGS.peak_size
     a_NxN = jax.random.normal(jax.random.key(1), (n, n), jnp.dtype(FLAGS.peak_dtype))
@@ -119,7 +143,8 @@ def main(argv: list[str]) -> None:
     results = {}
     for overrides, programs in variants.items():
         tokens = models[overrides]["tokens_per_call"]
-        results[overrides] = {"model": models[overrides], "programs": {}}
+        results[overrides] = {"model": models[overrides], "xla_options": labels[overrides],
+                              "programs": {}}
         for name, program in programs.items():
             median = statistics.median(program.times)
             achieved = program.flops / median

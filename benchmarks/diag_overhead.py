@@ -28,6 +28,7 @@ from postnorm.optim import make_optimizer
 from postnorm.sharding import make_mesh
 from postnorm.step_builder import compile_steps
 from postnorm.user_errors import exit_2_on_user_error
+from postnorm.xla_options import compiler_options
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 flags.DEFINE_integer("repeats", 15, "Timed repeats of each step.", lower_bound=1)
@@ -46,7 +47,8 @@ def main(argv: list[str]) -> None:
                                  max_len=config.data.seq_len)
     mesh = make_mesh(config.mesh)
     tx, schedule = make_optimizer(config.opt, config.train.steps)
-    steps = compile_steps(spec, tx, schedule, mesh)
+    steps = compile_steps(spec, tx, schedule, mesh,
+                          compiler_options=compiler_options(config.runtime.xla_options))
     batch = random_batch(config, FLAGS.vocab_size, mesh)
 
     state = steps.init(config.seed)

@@ -21,6 +21,7 @@ from postnorm.optim import make_optimizer
 from postnorm.sharding import batch_sharding, make_mesh
 from postnorm.step_builder import compile_steps
 from postnorm.validation import check_all_but_data
+from postnorm.xla_options import XlaOptions, compiler_options
 
 PROGRAMS = ("train", "diag", "forward")
 THP_SETTING = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -127,10 +128,13 @@ def random_batch(config: ml_collections.ConfigDict, vocab: int, mesh) -> dict[st
             for k, v in (("inputs", tokens[:, :-1]), ("targets", tokens[:, 1:]))}
 
 
-def build_programs(config: ml_collections.ConfigDict, names: list[str],
-                   vocab: int) -> tuple[dict[str, Program], dict]:
+def build_programs(config: ml_collections.ConfigDict, names: list[str], vocab: int,
+                   xla_options: XlaOptions | None = None) -> tuple[dict[str, Program], dict]:
     """The programs in ``names`` order (from ``PROGRAMS``), and a description of the model and
-    batch: random tokens of the config's batch shape over ``vocab``."""
+    batch: random tokens of the config's batch shape over ``vocab``. They compile with
+    ``xla_options`` (default: the config's ``runtime.xla_options``)."""
+    if xla_options is None:
+        xla_options = compiler_options(config.runtime.xla_options)
     seq_len, batch_size = config.data.seq_len, config.data.batch_size
     spec = ModelSpec.from_config(config.model, vocab_size=vocab, max_len=seq_len)
     mesh = make_mesh(config.mesh)
@@ -139,7 +143,7 @@ def build_programs(config: ml_collections.ConfigDict, names: list[str],
     programs = {}
     if {"train", "diag"} & set(names):
         tx, schedule = make_optimizer(config.opt, config.train.steps)
-        steps = compile_steps(spec, tx, schedule, mesh)
+        steps = compile_steps(spec, tx, schedule, mesh, compiler_options=xla_options)
         for name in {"train", "diag"} & set(names):
             programs[name] = Program(getattr(steps, name), (steps.init(config.seed), batch),
                                      train_flops_per_token(spec, seq_len) * n_tokens, True)
@@ -147,8 +151,9 @@ def build_programs(config: ml_collections.ConfigDict, names: list[str],
         model = Decoder(spec)
         params = jax.jit(lambda key: model.init(key, batch["inputs"])["params"])(
             jax.random.key(config.seed))
-        programs["forward"] = Program(jax.jit(lambda p, x: model.apply({"params": p}, x)),
-                                      (params, batch["inputs"]),
+        forward = jax.jit(lambda p, x: model.apply({"params": p}, x),
+                          compiler_options=xla_options or None)
+        programs["forward"] = Program(forward, (params, batch["inputs"]),
                                       forward_flops_per_token(spec, seq_len) * n_tokens, False)
     model_info = {"n_layers": spec.n_layers, "d_model": spec.d_model, "d_ff": spec.d_ff,
                   "n_heads": spec.n_heads, "vocab_size": vocab, "seq_len": seq_len,

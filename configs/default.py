@@ -80,6 +80,11 @@ def base_config() -> ml_collections.ConfigDict:
     # programs an earlier run compiled (resumes, re-runs, other seeds' steps) load them; '' leaves
     # JAX's setting (none unless JAX_COMPILATION_CACHE_DIR is set)
     c.runtime.compilation_cache_dir = ""
+    # XLA compile options for every program, name=value separated by spaces
+    # (postnorm/xla_options.py); region
+    # analysis lets copy insertion drop copies around the scanned layer loop (a faster CPU step,
+    # docs/PERFORMANCE.md); '' compiles with XLA's defaults
+    c.runtime.xla_options = "xla_cpu_copy_insertion_use_region_analysis=true"
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # -1: all devices not used by fsdp and tensor

@@ -21,6 +21,7 @@ from postnorm.model import Decoder, ModelSpec
 from postnorm.nonfinite import GuardedState, guard
 from postnorm.sharding import batch_sharding, tree_shardings
 from postnorm.steps import Batch, eval_step, train_step
+from postnorm.xla_options import XlaOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,12 +37,15 @@ class CompiledSteps:
 
 
 def compile_steps(spec: ModelSpec, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                  mesh: Mesh, *, halt_on_nonfinite: bool = True) -> CompiledSteps:
+                  mesh: Mesh, *, halt_on_nonfinite: bool = True,
+                  compiler_options: XlaOptions | None = None) -> CompiledSteps:
     """Build the shardings of the state and jit every step against ``mesh``.
 
     ``halt_on_nonfinite``: freeze the state at the first non-finite step (policies ``abort``
     and ``rollback``) rather than only skipping that step's update (``skip``).
+    ``compiler_options``: XLA options for every step's compilation (``postnorm.xla_options``).
     """
+    jit = functools.partial(jax.jit, compiler_options=compiler_options or None)
     model = Decoder(spec)
     tokens_1xL = jnp.zeros((1, spec.max_len), jnp.int32)
 
@@ -69,15 +73,15 @@ def compile_steps(spec: ModelSpec, tx: optax.GradientTransformation, schedule: o
     return CompiledSteps(
         state_shardings=shardings,
         abstract_state=abstract_state,
-        init=jax.jit(init_state, static_argnums=0, out_shardings=shardings),
-        train=jax.jit(guard(functools.partial(train_step, schedule=schedule),
+        init=jit(init_state, static_argnums=0, out_shardings=shardings),
+        train=jit(guard(functools.partial(train_step, schedule=schedule),
                             halt=halt_on_nonfinite),
                       in_shardings=(shardings, batch_shardings),
                       out_shardings=(shardings, replicated), donate_argnums=0),
-        diag=jax.jit(guard(functools.partial(diag_step, schedule=schedule),
+        diag=jit(guard(functools.partial(diag_step, schedule=schedule),
                            halt=halt_on_nonfinite),
                      in_shardings=(shardings, batch_shardings),
                      out_shardings=(shardings, replicated, replicated), donate_argnums=0),
-        evaluate=jax.jit(eval_step, in_shardings=(shardings, batch_shardings),
+        evaluate=jit(eval_step, in_shardings=(shardings, batch_shardings),
                          out_shardings=replicated),
     )

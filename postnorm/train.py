@@ -62,6 +62,7 @@ from postnorm.sharding import batch_sharding, make_mesh
 from postnorm.step_builder import CompiledSteps, compile_steps
 from postnorm.validation import check_config, check_vocab_layout
 from postnorm.workdir_lock import WorkdirLock
+from postnorm.xla_options import compiler_options
 
 
 @dataclasses.dataclass
@@ -104,8 +105,9 @@ def build_experiment(config: ml_collections.ConfigDict,
 
     ``check_data`` vets the loaded data before anything is compiled (every process stops if
     it raises on one). The validation batches are read here, so a split too small for them
-    fails before training.
+    fails before training. An XLA option XLA does not know fails before the data is loaded.
     """
+    xla_options = compiler_options(config.runtime.xla_options)
     data = _load_data_once(config)
     if check_data is not None:
         _stop_together(lambda: check_data(data))
@@ -123,7 +125,8 @@ def build_experiment(config: ml_collections.ConfigDict,
     mesh = make_mesh(config.mesh)
     tx, schedule = make_optimizer(config.opt, config.train.steps)
     steps = compile_steps(spec, tx, schedule, mesh,
-                          halt_on_nonfinite=config.train.nonfinite != "skip")
+                          halt_on_nonfinite=config.train.nonfinite != "skip",
+                          compiler_options=xla_options)
     eval_floor = global_frequency_floor(np.stack([b["targets"] for b in eval_batches]),
                                         data.unigram_counts)
     return Experiment(config, data, spec, steps, mesh, eval_batches, eval_floor)
@@ -202,6 +205,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     """
     check_config(config, device_count=jax.device_count(), process_count=jax.process_count())
     use_compilation_cache(config.runtime.compilation_cache_dir)
+    compiler_options(config.runtime.xla_options)  # an option XLA does not know: before the workdir
     workdir = os.path.abspath(os.path.expanduser(workdir))
     _stop_together(lambda: check_run_config(workdir, config))  # a refusal writes nothing
     lock = WorkdirLock(workdir)

@@ -14,9 +14,10 @@ from postnorm.preemption import Stopped
 from postnorm.run_config import WorkdirError
 from postnorm.sweep import SweepError
 from postnorm.validation import ConfigError
+from postnorm.xla_options import XlaOptionsError
 
 USER_ERRORS = (ConfigError, AllocatorError, CompilationCacheError, DataError, CheckpointError,
-               WorkdirError, MetricsFileError, MetricsWriteError, SweepError)
+               WorkdirError, MetricsFileError, MetricsWriteError, SweepError, XlaOptionsError)
 
 
 def exit_2_on_user_error(main: Callable[[list[str]], None]) -> Callable[[list[str]], None]:

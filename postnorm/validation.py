@@ -20,6 +20,7 @@ from postnorm.model import DTYPES, NORM_PLACEMENTS, POSITION_SCHEMES, REMAT_POLI
 from postnorm.nonfinite import NONFINITE_POLICIES
 from postnorm.run_config import config_data, flatten_fields
 from postnorm.sharding import mesh_shape
+from postnorm.xla_options import XlaOptionsError, parse_xla_options
 
 SCHEDULES = ("cosine", "constant")
 
@@ -174,11 +175,19 @@ def check_backend(config: ml_collections.ConfigDict, *, platform: str) -> None:
 
 
 def check_runtime(config: ml_collections.ConfigDict) -> None:
-    """Process settings: the heap allocator (``postnorm.allocator``) and the compilation cache
-    directory (``postnorm.compilation_cache``)."""
+    """Process settings: the heap allocator (``postnorm.allocator``), the compilation cache
+    directory (``postnorm.compilation_cache``) and the XLA compile options' syntax
+    (``postnorm.xla_options``; whether XLA knows them is checked before compiling)."""
     _one_of(config, "runtime.allocator", ALLOCATORS)
     _require(config, "runtime.compilation_cache_dir", lambda v: isinstance(v, str),
              "a directory path, or '' for no cache")
+    _require(config, "runtime.xla_options", lambda v: isinstance(v, str),
+             "a string of XLA compile options (name=value, separated by spaces), or '' for "
+             "XLA's defaults")
+    try:
+        parse_xla_options(config.runtime.xla_options)
+    except XlaOptionsError as err:
+        raise ConfigError(str(err)) from None
 
 
 def check_fields(config: ml_collections.ConfigDict) -> None:

@@ -69,6 +69,22 @@ def test_bench_variants_take_the_config_files_named_variants():
     assert variants["post,model.n_layers=3"]["model"]["n_layers"] == 3
 
 
+def test_bench_xla_option_sets_apply_over_the_configs_and_reach_the_compiler():
+    region = "xla_cpu_copy_insertion_use_region_analysis"
+    result = run_module("benchmarks.bench", f"--config={TINY},runtime.xla_options={region}=true",
+                        "--programs=train,forward", "--repeats=1", "--peak_size=64",
+                        "--xla_options=", f"--xla_options={region}=false")
+    assert result.returncode == 0, result.stderr[-3000:]
+    variants = json.loads(result.stdout)["variants"]
+    assert list(variants) == [" | xla: config", f" | xla: {region}=false"]
+    config, off = variants.values()
+    assert config["xla_options"] == {region: True} and off["xla_options"] == {region: False}
+    # the option changes XLA's buffer assignment of the scanned layers' backward pass, so it
+    # reached that program's compilation
+    temp = [v["programs"]["train"]["memory"]["temp_size_in_bytes"] for v in variants.values()]
+    assert temp[0] < temp[1]
+
+
 @pytest.mark.parametrize("module,args,code,message", [
     ("benchmarks.bench", [f"--config={TINY},model.norm=sandwich"], 2,
      "postnorm: error: model.norm='sandwich' is invalid"),
@@ -80,6 +96,10 @@ def test_bench_variants_take_the_config_files_named_variants():
      "--variant='model.bogus=3': unknown config key 'model.bogus'"),
     ("benchmarks.bench", [f"--config={TINY}", "--variant=sandwich"], 1,
      "--variant='sandwich': unknown config variant 'sandwich'; known: ['post', 'pre']"),
+    ("benchmarks.bench", [f"--config={TINY}", "--xla_options=xla_cpu_bogus=1"], 1,
+     "--xla_options='xla_cpu_bogus=1': INVALID_ARGUMENT: No such compile option: 'xla_cpu_bogus'"),
+    ("benchmarks.bench", [f"--config={TINY}", "--xla_options=fast"], 1,
+     "--xla_options='fast': 'fast' is not name=value"),
     ("benchmarks.bench", [f"--config={TINY}", "--programs", "train", "diag"], 1,
      "unexpected arguments: ['diag']"),
     ("experiments.init_similarity", ["--out_dir=/dev/null/x", "--inputs=gaussian"], 1,

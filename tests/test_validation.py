@@ -68,6 +68,9 @@ CASES = [
     ("mesh.fsdp", 0, POSITIVE_INT),
     ("runtime.allocator", "jemalloc", r"must be one of \['auto', 'system', 'tcmalloc'\]"),
     ("runtime.compilation_cache_dir", None, "must be a directory path, or '' for no cache"),
+    ("runtime.xla_options", None, r"must be a string of XLA compile options \(name=value, "),
+    ("runtime.xla_options", "xla_cpu_enable_fast_math", "runtime.xla_options="
+     "'xla_cpu_enable_fast_math': 'xla_cpu_enable_fast_math' is not name=value"),
     ("mesh.tensor", -1, POSITIVE_INT),
     ("mesh.data", -2, "must be an integer >= 1, or -1"),
     ("mesh.data", 3, "give 3 devices but 8 are available"),
