@@ -16,14 +16,13 @@ JSON with the median milliseconds per call and the ratio autodiff / fused.
 
 import functools
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from benchmarks.programs import interleaved_median_ms
 from postnorm.layers import RMSNorm
 
 flags.DEFINE_list("shapes", ["16x128x64", "8x512x512"], "Shapes BxLxD to time.")
@@ -101,15 +100,7 @@ def main(argv: list[str]) -> None:
         outs = {name: jax.block_until_ready(fn(y, scale, g)) for name, fn in fns.items()}
         for auto, fused in zip(outs["autodiff"], outs["fused"], strict=True):
             np.testing.assert_allclose(auto, fused, rtol=1e-4, atol=1e-5)
-        times = {name: [] for name in fns}
-        for _ in range(FLAGS.repeats):
-            for name, fn in fns.items():
-                start = time.perf_counter()
-                for _ in range(FLAGS.calls):
-                    out = fn(y, scale, g)
-                jax.block_until_ready(out)
-                times[name].append((time.perf_counter() - start) / FLAGS.calls)
-        median_ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        median_ms = interleaved_median_ms(fns, (y, scale, g), FLAGS.repeats, FLAGS.calls)
         ratio = median_ms["autodiff"] / median_ms["fused"]
         results[f"{b}x{n}x{d}"] = {"median_ms": median_ms, "autodiff_over_fused": ratio}
     print(json.dumps({"backend": jax.default_backend(), "repeats": FLAGS.repeats,

@@ -10,14 +10,13 @@ milliseconds per call and the ratio kept / flattened.
 """
 
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+from benchmarks.programs import interleaved_median_ms
 from postnorm.layers import token_matmul
 
 flags.DEFINE_integer("batch", 16, "B.", lower_bound=1)
@@ -55,15 +54,7 @@ def main(argv: list[str]) -> None:
         outs = {name: jax.block_until_ready(fn(x, w)) for name, fn in fns.items()}
         for kept, flat in zip(outs["token_axes_kept"], outs["flattened"], strict=True):
             np.testing.assert_allclose(kept, flat, rtol=1e-4, atol=1e-4)
-        times = {name: [] for name in fns}
-        for _ in range(FLAGS.repeats):
-            for name, fn in fns.items():
-                start = time.perf_counter()
-                for _ in range(FLAGS.calls):
-                    out = fn(x, w)
-                jax.block_until_ready(out)
-                times[name].append((time.perf_counter() - start) / FLAGS.calls)
-        median_ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        median_ms = interleaved_median_ms(fns, (x, w), FLAGS.repeats, FLAGS.calls)
         results[f"W_{d}x{width}"] = {
             "median_ms": median_ms,
             "kept_over_flattened": median_ms["token_axes_kept"] / median_ms["flattened"]}

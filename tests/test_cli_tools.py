@@ -85,6 +85,17 @@ def test_bench_xla_option_sets_apply_over_the_configs_and_reach_the_compiler():
     assert temp[0] < temp[1]
 
 
+def test_rmsnorm_vjp_checks_the_fused_gradients_and_times_both():
+    """The script stops unless the hand-written backward gives autodiff's gradients."""
+    result = run_module("benchmarks.rmsnorm_vjp", "--shapes=2x8x16,1x4x32", "--repeats=1",
+                        "--calls=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads(result.stdout)["results"]
+    assert list(results) == ["2x8x16", "1x4x32"]
+    for timing in results.values():
+        assert set(timing["median_ms"]) == {"autodiff", "fused"}
+
+
 @pytest.mark.parametrize("module,args,code,message", [
     ("benchmarks.bench", [f"--config={TINY},model.norm=sandwich"], 2,
      "postnorm: error: model.norm='sandwich' is invalid"),
@@ -102,6 +113,8 @@ def test_bench_xla_option_sets_apply_over_the_configs_and_reach_the_compiler():
      "--xla_options='fast': 'fast' is not name=value"),
     ("benchmarks.bench", [f"--config={TINY}", "--programs", "train", "diag"], 1,
      "unexpected arguments: ['diag']"),
+    ("benchmarks.rmsnorm_vjp", ["--shapes=16x128"], 1,
+     "--shapes: '16x128' is not BxLxD with positive integers"),
     ("experiments.init_similarity", ["--out_dir=/dev/null/x", "--inputs=gaussian"], 1,
      "--out_dir=/dev/null/x cannot be created"),
 ])
