@@ -59,9 +59,9 @@ from benchmarks.programs import (
     compile_afresh,
     device_memory,
     memory_analysis,
-    timed,
     transparent_hugepage_mode,
 )
+from benchmarks.timing import timed
 from postnorm.allocator import use_allocator
 from postnorm.config_args import ConfigArgError, apply_arg, config_file_variants, parse_flags
 from postnorm.user_errors import exit_2_on_user_error
@@ -116,7 +116,8 @@ def main(argv: list[str]) -> None:
             raise app.UsageError(f"--variant={overrides!r}: {err}") from err
         if config.runtime != FLAGS.config.runtime:
             raise app.UsageError(f"--variant={overrides!r}: runtime.* is one per process; "
-                                 "compare it in separate runs (--config FILE:runtime.allocator=X)")
+                                 "compare runtime.xla_options with --xla_options, and the rest "
+                                 "in separate runs (--config FILE:runtime.allocator=X)")
         check_benchmark_config(config)
         for text, options in option_sets.items():
             label = overrides

@@ -81,9 +81,10 @@ def base_config() -> ml_collections.ConfigDict:
     # JAX's setting (none unless JAX_COMPILATION_CACHE_DIR is set)
     c.runtime.compilation_cache_dir = ""
     # XLA compile options for every program, name=value separated by spaces
-    # (postnorm/xla_options.py); region
-    # analysis lets copy insertion drop copies around the scanned layer loop (a faster CPU step,
-    # docs/PERFORMANCE.md); '' compiles with XLA's defaults
+    # (postnorm/xla_options.py): how programs are compiled, which a resume may change like
+    # runtime.*, so put options that change the arithmetic (fast math) only in a new run. The
+    # default's region analysis lets copy insertion drop copies around the scanned layer loop:
+    # the same numbers, a faster CPU step (docs/PERFORMANCE.md). '' is XLA's defaults
     c.runtime.xla_options = "xla_cpu_copy_insertion_use_region_analysis=true"
 
     c.mesh = ml_collections.ConfigDict()

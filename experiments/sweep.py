@@ -312,7 +312,7 @@ def check_overrides(specs: list[RunSpec], extra: dict[str, str]) -> None:
                              "name; change the sweep file instead")
     if runtime := sorted(k for k in swept if k.startswith("runtime.")):
         raise app.UsageError(f"the sweep sets {runtime}: runtime.* is one per process; set it "
-                             "with --override runtime.allocator=X instead")
+                             "for every run with --override (runtime.allocator=X) instead")
 
 
 def process_allocator(base_config: str, specs: list[RunSpec], extra: dict[str, str]) -> str:

@@ -8,6 +8,8 @@ can time several sets side by side. JAX's compilation cache keys programs on the
 a cached program is reused only under the same options.
 """
 
+import re
+
 import jax
 import numpy as np
 
@@ -20,19 +22,24 @@ class XlaOptionsError(ValueError):
     """A malformed or unknown XLA option; the message names the setting and the option."""
 
 
+def _items(text: str, field: str) -> dict[str, str]:
+    """The ``name=value`` items of ``text`` with their values as written."""
+    items = {}
+    for item in text.split():
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value or "=" in value:
+            raise XlaOptionsError(f"{field}: {item!r} is not name=value (e.g. "
+                                  "xla_cpu_enable_fast_math=true; separate options with spaces)")
+        items[name] = value
+    return items
+
+
 def parse_xla_options(text: str, field: str | None = None) -> XlaOptions:
     """Space-separated ``name=value`` items as a dict: true/false, integers and floats are
     typed, anything else is a string; '' is no options. Raises ``XlaOptionsError`` naming the
     setting (``field``, by default ``runtime.xla_options=<text>``) and the malformed item."""
-    field = field or f"{FIELD}={text!r}"
-    options: XlaOptions = {}
-    for item in text.split():
-        name, sep, value = item.partition("=")
-        if not sep or not name or not value or "=" in value or "," in value:
-            raise XlaOptionsError(f"{field}: {item!r} is not name=value (e.g. "
-                                  "xla_cpu_enable_fast_math=true; separate options with spaces)")
-        options[name] = _typed(value)
-    return options
+    items = _items(text, field or f"{FIELD}={text!r}")
+    return {name: _typed(value) for name, value in items.items()}
 
 
 def _typed(value: str) -> bool | int | float | str:
@@ -46,22 +53,39 @@ def _typed(value: str) -> bool | int | float | str:
     return value
 
 
-def check_known(options: XlaOptions, field: str) -> None:
-    """Compile a trivial program with ``options``, so that an option this XLA does not know
-    fails here, named, rather than at the first real compilation."""
-    if not options:
-        return
-    try:
-        jax.jit(lambda x: x + 1).lower(np.float32(0)).compile(compiler_options=options)
-    except jax.errors.JaxRuntimeError as err:
-        raise XlaOptionsError(f"{field}: {str(err).splitlines()[0]}; remove or correct the "
-                              "option") from None
+# XLA takes each option in its field's exact type: "1" for a float field, or for a string
+# field, is refused with this message and retried as that type.
+_WRONG_TYPE = re.compile(r"While setting option (\w+), '.*' is not a valid (float|string) value")
+
+
+def _compile_trivial(options: XlaOptions) -> None:
+    jax.jit(lambda x: x + 1).lower(np.float32(0)).compile(compiler_options=options)
 
 
 def compiler_options(text: str, field: str | None = None) -> XlaOptions:
-    """The parsed and checked options of a ``runtime.xla_options`` setting; errors name
-    ``field`` (by default ``runtime.xla_options=<text>``)."""
+    """The options of a ``runtime.xla_options`` setting, checked by compiling a trivial
+    program with them, so that an option this XLA does not know (or a value it cannot take)
+    fails here, named, rather than at the first real compilation. A number given for a float
+    or string field is passed as that type. Errors name ``field`` (by default
+    ``runtime.xla_options=<text>``)."""
     field = field or f"{FIELD}={text!r}"
-    options = parse_xla_options(text, field)
-    check_known(options, field)
+    items = _items(text, field)
+    options = {name: _typed(value) for name, value in items.items()}
+    retyped: set[str] = set()
+    while options:
+        try:
+            _compile_trivial(options)
+            break
+        except jax.errors.JaxRuntimeError as err:
+            wrong = _WRONG_TYPE.search(str(err))
+            name, kind = wrong.groups() if wrong else (None, None)
+            if name in options and name not in retyped and (
+                    kind == "string" or isinstance(options[name], int | float)):
+                options[name] = float(items[name]) if kind == "float" else items[name]
+                retyped.add(name)
+                continue
+            message = str(err).splitlines()[0].rstrip(".")
+        except (TypeError, ValueError) as err:  # a build option JAX sets itself
+            message = f"a value of the wrong type for a build option ({type(err).__name__})"
+        raise XlaOptionsError(f"{field}: {message}; remove or correct the option") from None
     return options

@@ -41,6 +41,18 @@ def test_the_config_check_refuses_bad_syntax_and_xla_refuses_unknown_names():
         compiler_options("xla_cpu_bogus=1")
     assert compiler_options("xla_cpu_enable_fast_math=false") == {
         "xla_cpu_enable_fast_math": False}
+    with pytest.raises(XlaOptionsError, match="'exec_time_optimization_effort=x': a value of "
+                                              "the wrong type for a build option"):
+        compiler_options("exec_time_optimization_effort=x")  # JAX sets it: a TypeError
+    with pytest.raises(XlaOptionsError, match="'abc' is not a valid float value; remove"):
+        compiler_options("xla_gpu_auto_spmd_partitioning_memory_budget_ratio=abc")
+
+
+def test_a_number_for_a_float_or_string_option_is_passed_as_that_type():
+    assert compiler_options("xla_gpu_auto_spmd_partitioning_memory_budget_ratio=1 "
+                            "xla_dump_hlo_pass_re=2 xla_cpu_enable_fast_math=false") == {
+        "xla_gpu_auto_spmd_partitioning_memory_budget_ratio": 1.0,
+        "xla_dump_hlo_pass_re": "2", "xla_cpu_enable_fast_math": False}
 
 
 def _train(options, steps: int = 3):
@@ -63,7 +75,6 @@ def _train(options, steps: int = 3):
 def test_the_default_options_leave_every_number_unchanged():
     """The default options change which buffers XLA copies, not what it computes."""
     default = compiler_options(get_config().runtime.xla_options)
-    assert default  # the default config sets some
     losses, params, temp = _train(default)
     plain_losses, plain_params, plain_temp = _train({})
     assert temp < plain_temp  # the options reached the compilation
