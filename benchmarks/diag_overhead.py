@@ -47,8 +47,8 @@ def main(argv: list[str]) -> None:
                                  max_len=config.data.seq_len)
     mesh = make_mesh(config.mesh)
     tx, schedule = make_optimizer(config.opt, config.train.steps)
-    steps = compile_steps(spec, tx, schedule, mesh,
-                          compiler_options=compiler_options(config.runtime.xla_options))
+    xla_options = compiler_options(config.runtime.xla_options)
+    steps = compile_steps(spec, tx, schedule, mesh, compiler_options=xla_options)
     batch = random_batch(config, FLAGS.vocab_size, mesh)
 
     state = steps.init(config.seed)
@@ -76,7 +76,7 @@ def main(argv: list[str]) -> None:
                    "seq_len": config.data.seq_len, "batch_size": config.data.batch_size,
                    "norm": spec.norm, "attention": spec.attention, "remat": spec.remat,
                    "scan_unroll": spec.scan_unroll, "devices": jax.device_count()},
-        "allocator": allocator,
+        "allocator": allocator, "xla_options": xla_options,
         "repeats": FLAGS.repeats,
         "median_step_s": median,
         "diag_over_train_time": median["diag"] / median["train"],

@@ -65,8 +65,8 @@ def main(argv: list[str]) -> None:
                                  max_len=config.data.seq_len)
     mesh = make_mesh(config.mesh)
     tx, schedule = make_optimizer(config.opt, config.train.steps)
-    steps = compile_steps(spec, tx, schedule, mesh,
-                          compiler_options=compiler_options(config.runtime.xla_options))
+    xla_options = compiler_options(config.runtime.xla_options)
+    steps = compile_steps(spec, tx, schedule, mesh, compiler_options=xla_options)
     batch = random_batch(config, spec.vocab_size, mesh)
     state = steps.init(config.seed)
     compiled = getattr(steps, FLAGS.program).lower(state, batch).compile()
@@ -95,7 +95,7 @@ def main(argv: list[str]) -> None:
     summed = sum(totals.values())
     print(json.dumps({
         "step_wall_s": wall, "summed_op_s": summed / 1e6, "trace": path,
-        "cpus": len(os.sched_getaffinity(0)), "allocator": allocator,
+        "cpus": len(os.sched_getaffinity(0)), "allocator": allocator, "xla_options": xla_options,
         "groups_s": {k: round(v / 1e6, 4) for k, v in totals.most_common()},
         "groups_share": {k: round(v / summed, 4) for k, v in totals.most_common()},
         "top_op_kinds_s": {k: round(v / 1e6, 4) for k, v in op_kinds.most_common(FLAGS.top_ops)},

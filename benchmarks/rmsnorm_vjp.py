@@ -8,7 +8,7 @@ L = <RMSNorm(y), g> two ways:
 
 * ``autodiff``: ``postnorm.layers.RMSNorm``, the model's module, differentiated by JAX;
 * ``fused``: the same forward with a ``jax.custom_vjp`` backward written as one expression,
-  dy = r (g s - x (g s . x) / D) with r = 1/rms(y), x = y r, keeping only y and r.
+  dy = r (g s - x (g s . x) / D) with r = 1/rms(y), x = y r, keeping y, r and the gain s.
 
 It checks that both give the same gradients before timing. Repeats are interleaved; prints
 JSON with the median milliseconds per call and the ratio autodiff / fused.
@@ -16,13 +16,14 @@ JSON with the median milliseconds per call and the ratio autodiff / fused.
 
 import functools
 import json
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from benchmarks.programs import interleaved_median_ms
+from benchmarks.timing import interleaved_median_ms
 from postnorm.layers import RMSNorm
 
 flags.DEFINE_list("shapes", ["16x128x64", "8x512x512"], "Shapes BxLxD to time.")
@@ -33,7 +34,8 @@ flags.DEFINE_integer("calls", 20, "Calls per repeat (their mean is the repeat's 
 FLAGS = flags.FLAGS
 
 
-def _normalize(y_BxLxD: jax.Array, scale_D: jax.Array, eps: float):
+def _normalize(y_BxLxD: jax.Array, scale_D: jax.Array,
+               eps: float) -> tuple[jax.Array, jax.Array]:
     y32 = y_BxLxD.astype(jnp.float32)
     inv_rms_BxLx1 = jax.lax.rsqrt(jnp.mean(y32 * y32, axis=-1, keepdims=True) + eps)
     return (y32 * inv_rms_BxLx1 * scale_D).astype(y_BxLxD.dtype), inv_rms_BxLx1
@@ -45,12 +47,17 @@ def fused_rms_norm(y_BxLxD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Ar
     return _normalize(y_BxLxD, scale_D, eps)[0]
 
 
-def _fused_forward(y_BxLxD, scale_D, eps):
+Residuals = tuple[jax.Array, jax.Array, jax.Array]
+
+
+def _fused_forward(y_BxLxD: jax.Array, scale_D: jax.Array,
+                   eps: float) -> tuple[jax.Array, Residuals]:
     z_BxLxD, inv_rms_BxLx1 = _normalize(y_BxLxD, scale_D, eps)
     return z_BxLxD, (y_BxLxD, inv_rms_BxLx1, scale_D)
 
 
-def _fused_backward(eps, residuals, g_BxLxD):
+def _fused_backward(eps: float, residuals: Residuals,
+                    g_BxLxD: jax.Array) -> tuple[jax.Array, jax.Array]:
     del eps
     y_BxLxD, inv_rms_BxLx1, scale_D = residuals
     x_BxLxD = y_BxLxD.astype(jnp.float32) * inv_rms_BxLx1
@@ -65,7 +72,7 @@ def _fused_backward(eps, residuals, g_BxLxD):
 fused_rms_norm.defvjp(_fused_forward, _fused_backward)
 
 
-def gradient_fns(eps: float) -> dict:
+def gradient_fns(eps: float) -> dict[str, Callable]:
     """Each formulation's jitted (dL/dy, dL/dscale) of L = <RMSNorm(y), g>."""
     module = RMSNorm(eps=eps)
 

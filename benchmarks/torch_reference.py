@@ -41,9 +41,9 @@ from benchmarks.programs import (
     compile_afresh,
     minor_page_faults,
     random_tokens,
-    timed,
     transparent_hugepage_mode,
 )
+from benchmarks.timing import timed
 from benchmarks.torch_model import (
     TorchDecoder,
     check_supported,
@@ -160,7 +160,8 @@ def main(argv: list[str]) -> None:
     torch_summary.update({"first_call_s": torch_first_s, "compiled": FLAGS.torch_compile,
                           "threads": torch.get_num_threads(), "version": torch.__version__})
     jax_summary.update({"compile_s": jax_train.compile_s, "attention": spec.attention,
-                        "remat": spec.remat, "version": jax.__version__})
+                        "remat": spec.remat, "version": jax.__version__,
+                        "xla_options": config.runtime.xla_options})
     profile = profile_step(step_fn, FLAGS.profile_ops) if FLAGS.profile_ops else None
     print(json.dumps({
         "model": {**model_info, "model_gflop": flops / 1e9},

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from benchmarks.programs import interleaved_median_ms
+from benchmarks.timing import interleaved_median_ms
 from postnorm.layers import token_matmul
 
 flags.DEFINE_integer("batch", 16, "B.", lower_bound=1)
