@@ -8,6 +8,7 @@ can time several sets side by side. JAX's compilation cache keys programs on the
 a cached program is reused only under the same options.
 """
 
+import functools
 import re
 
 import jax
@@ -67,8 +68,13 @@ def compiler_options(text: str, field: str | None = None) -> XlaOptions:
     program with them, so that an option this XLA does not know (or a value it cannot take)
     fails here, named, rather than at the first real compilation. A number given for a float
     or string field is passed as that type. Errors name ``field`` (by default
-    ``runtime.xla_options=<text>``)."""
-    field = field or f"{FIELD}={text!r}"
+    ``runtime.xla_options=<text>``). A setting that passed is not compiled again in the same
+    process."""
+    return dict(_checked_options(text, field or f"{FIELD}={text!r}"))
+
+
+@functools.cache
+def _checked_options(text: str, field: str) -> tuple[tuple[str, bool | int | float | str], ...]:
     items = _items(text, field)
     options = {name: _typed(value) for name, value in items.items()}
     retyped: set[str] = set()
@@ -88,4 +94,4 @@ def compiler_options(text: str, field: str | None = None) -> XlaOptions:
         except (TypeError, ValueError) as err:  # a build option JAX sets itself
             message = f"a value of the wrong type for a build option ({type(err).__name__})"
         raise XlaOptionsError(f"{field}: {message}; remove or correct the option") from None
-    return options
+    return tuple(options.items())

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from configs.default import get_config
+from postnorm import xla_options
 from postnorm.model import ModelSpec
 from postnorm.optim import make_optimizer
 from postnorm.sharding import make_mesh
@@ -53,6 +54,22 @@ def test_a_number_for_a_float_or_string_option_is_passed_as_that_type():
                             "xla_dump_hlo_pass_re=2 xla_cpu_enable_fast_math=false") == {
         "xla_gpu_auto_spmd_partitioning_memory_budget_ratio": 1.0,
         "xla_dump_hlo_pass_re": "2", "xla_cpu_enable_fast_math": False}
+
+
+def test_a_setting_that_passed_is_checked_once_per_process(monkeypatch):
+    compiled = []
+    real = xla_options._compile_trivial
+    monkeypatch.setattr(xla_options, "_compile_trivial", lambda o: (compiled.append(o), real(o)))
+    text = "xla_cpu_enable_fast_math=false xla_cpu_fast_math_honor_nans=true"
+    first = compiler_options(text)
+    first["xla_cpu_enable_fast_math"] = True  # the caller's copy, not the cached setting
+    assert compiler_options(text) == {"xla_cpu_enable_fast_math": False,
+                                      "xla_cpu_fast_math_honor_nans": True}
+    assert len(compiled) == 1
+    with pytest.raises(XlaOptionsError):
+        compiler_options("xla_cpu_bogus_twice=1")
+    with pytest.raises(XlaOptionsError):  # a refusal is not cached: it is raised again
+        compiler_options("xla_cpu_bogus_twice=1")
 
 
 def _train(options, steps: int = 3):
