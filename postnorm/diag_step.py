@@ -6,6 +6,8 @@ norms are read off the stacked parameters. ``flatten_diagnostics`` turns the res
 metric keys with zero-padded layer indices (``diag/tsim_attn/layer_07``).
 """
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,7 +38,8 @@ def layer_norms(layer_params: dict) -> dict[str, jax.Array]:
 
 def diag_step(state: TrainState, batch: Batch, schedule: optax.Schedule
               ) -> tuple[TrainState, dict[str, jax.Array], dict[str, jax.Array]]:
-    """One AdamW step, identical to ``train_step``, plus the diagnostics of this batch."""
+    """One AdamW step, identical to ``train_step``, plus the diagnostics of this batch (the
+    update norms are added after the non-finite guard: ``with_update_norms``)."""
     n_layers = jax.tree.leaves(state.params["layers"])[0].shape[0]
 
     def loss_fn(params, probes):
@@ -49,23 +52,40 @@ def diag_step(state: TrainState, batch: Batch, schedule: optax.Schedule
     metrics = {"train/loss": loss, "train/grad_norm": optax.tree.norm(grads),
                "train/lr": schedule(state.step)}
 
-    return new_state, metrics, gather_diagnostics(forward, probe_grads, state, new_state, grads)
+    return new_state, metrics, gather_diagnostics(forward, probe_grads, state, grads)
+
+
+def with_update_norms(step_fn: Callable) -> Callable:
+    """``step_fn(state, batch) -> (state, metrics, diagnostics)``, a diagnostic step wrapped
+    by the non-finite guard, with the per-layer norms of the update it applied added: zero on
+    a step the guard skipped, whose computed update was thrown away."""
+
+    def step(state: TrainState, batch: Batch):
+        new_state, metrics, diagnostics = step_fn(state, batch)
+        return new_state, metrics, {**diagnostics, **update_norms(state, new_state)}
+
+    return step
+
+
+@in_stats_scope
+def update_norms(state: TrainState, new_state: TrainState) -> dict[str, jax.Array]:
+    """``update_norm_<group>``: the per-layer norms of ``new_state.params - state.params``."""
+    updates = jax.tree.map(jnp.subtract, new_state.params["layers"], state.params["layers"])
+    return {f"update_norm_{group}": norms for group, norms in layer_norms(updates).items()}
 
 
 @in_stats_scope
 def gather_diagnostics(forward: dict[str, jax.Array], probe_grads: dict[str, jax.Array],
-                       state: TrainState, new_state: TrainState, grads) -> dict[str, jax.Array]:
-    """The forward statistics, the taps' gradient norms and the per-layer parameter, gradient
-    and update norms of one step."""
+                       state: TrainState, grads) -> dict[str, jax.Array]:
+    """The forward statistics, the taps' gradient norms and the per-layer parameter and
+    gradient norms of one step (its update norms: ``with_update_norms``)."""
     diagnostics = dict(forward)
     tap_norms = jax.tree.map(jnp.sqrt, probe_grads)  # squared statistics -> Frobenius norms
     for s, name in enumerate(TAP_NORM_NAMES):
         diagnostics[f"{name}_attn"] = tap_norms["layers"][:, 0, s]
         diagnostics[f"{name}_ffn"] = tap_norms["layers"][:, 1, s]
         diagnostics[f"{name}_final"] = tap_norms["final"][s]
-    updates = jax.tree.map(jnp.subtract, new_state.params["layers"], state.params["layers"])
-    for prefix, tree in (("param_norm", state.params["layers"]),
-                         ("grad_norm", grads["layers"]), ("update_norm", updates)):
+    for prefix, tree in (("param_norm", state.params["layers"]), ("grad_norm", grads["layers"])):
         for group, norms in layer_norms(tree).items():
             diagnostics[f"{prefix}_{group}"] = norms
     return diagnostics

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from postnorm.diag_step import diag_step
+from postnorm.diag_step import diag_step, with_update_norms
 from postnorm.model import Decoder, ModelSpec
 from postnorm.nonfinite import GuardedState, guard
 from postnorm.sharding import batch_sharding, tree_shardings
@@ -78,8 +78,8 @@ def compile_steps(spec: ModelSpec, tx: optax.GradientTransformation, schedule: o
                         halt=halt_on_nonfinite),
                   in_shardings=(shardings, batch_shardings),
                   out_shardings=(shardings, replicated), donate_argnums=0),
-        diag=jit(guard(functools.partial(diag_step, schedule=schedule),
-                       halt=halt_on_nonfinite),
+        diag=jit(with_update_norms(guard(functools.partial(diag_step, schedule=schedule),
+                                         halt=halt_on_nonfinite)),
                  in_shardings=(shardings, batch_shardings),
                  out_shardings=(shardings, replicated, replicated), donate_argnums=0),
         evaluate=jit(eval_step, in_shardings=(shardings, batch_shardings),

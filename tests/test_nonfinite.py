@@ -105,6 +105,32 @@ def test_skip_guard_keeps_the_state_and_counts_the_step():
     assert int(state.skipped_steps) == 1  # a finite step is applied and not counted
 
 
+def test_a_skipped_diagnostic_step_reports_a_zero_update():
+    """The update norms of a diagnostic step are those of the update the guard applied: zero
+    when it threw the step's non-finite update away, ||new - old|| per layer when it applied
+    it (numpy, from the states on the host)."""
+    steps, batch, token = _steps_and_batch(halt=False)
+    _, metrics, diagnostics = steps.diag(_poison(steps.init(0), token), batch)
+    assert np.isnan(metrics["train/loss"]) and int(metrics["train/skipped_steps"]) == 1
+    for group in ("attn", "ffn", "norm"):
+        np.testing.assert_array_equal(diagnostics[f"update_norm_{group}"], 0.0)
+
+    state, _ = steps.train(steps.init(0), batch)  # the warm-up's learning rate is 0 at step 0
+    before = jax.device_get(state.params["layers"])
+    state, metrics, diagnostics = steps.diag(state, batch)  # control: applied
+    assert int(metrics["train/skipped_steps"]) == 0 and metrics["train/lr"] > 0
+    after = jax.device_get(state.params["layers"])
+    for group, names in {"attn": ["attn"], "ffn": ["ffn"],
+                         "norm": ["norm_attn", "norm_ffn"]}.items():
+        want = [np.sqrt(sum(np.sum((np.float64(new[layer]) - old[layer]) ** 2)
+                            for name in names for new, old in zip(
+                                jax.tree.leaves(after[name]), jax.tree.leaves(before[name]),
+                                strict=True)))
+                for layer in range(2)]
+        assert min(want) > 0
+        np.testing.assert_allclose(diagnostics[f"update_norm_{group}"], want, rtol=1e-5)
+
+
 def test_halt_guard_freezes_the_state_at_the_first_nonfinite_step(halting):
     steps, batch, token = halting
     state, _ = steps.train(steps.init(0), batch)  # step 1: finite, applied

@@ -10,7 +10,7 @@ import optax
 import pytest
 from flax.training.train_state import TrainState
 
-from postnorm.diag_step import diag_step, flatten_diagnostics
+from postnorm.diag_step import diag_step, flatten_diagnostics, with_update_norms
 from postnorm.metrics import layer_key
 from postnorm.model import Decoder, ModelSpec
 from postnorm.steps import cross_entropy, train_step
@@ -31,11 +31,11 @@ NORMS_AND_KERNELS = [("post", "einsum"), ("pre", "einsum"), ("post", "blocked")]
 
 
 @functools.cache
-def setup(norm: str, seed: int = 0, kernel: str = "einsum"):
+def setup(norm: str, seed: int = 0, kernel: str = "einsum", batch: int = 3):
     """The spec, model, initial parameters, inputs and targets of a small model (cached: its
     arrays are immutable)."""
     spec = ModelSpec(**{**SPEC, **KERNELS[kernel]}, norm=norm)
-    tokens = jax.random.randint(jax.random.key(seed + 1), (3, 17), 0, 40)
+    tokens = jax.random.randint(jax.random.key(seed + 1), (batch, 17), 0, 40)
     model = Decoder(spec)
     params = nn.unbox(jax.jit(model.init)(jax.random.key(seed), tokens[:, :-1])["params"])
     return spec, model, params, tokens[:, :-1], tokens[:, 1:]
@@ -77,12 +77,13 @@ def reference_cotangents_of(norm: str, kernel: str) -> list[np.ndarray]:
 
 @functools.cache
 def diag_step_of(norm: str, kernel: str = "einsum"):
-    """The jitted diag_step's new state, metrics and statistics on setup(norm, kernel=kernel)
-    with AdamW at lr 1e-3, on the host."""
+    """The jitted diag_step's new state, metrics and statistics (update norms included) on
+    setup(norm, kernel=kernel) with AdamW at lr 1e-3, on the host."""
     _, model, params, inputs, targets = setup(norm, kernel=kernel)
     state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(1e-3))
-    return jax.device_get(jax.jit(diag_step, static_argnums=2)(
-        state, {"inputs": inputs, "targets": targets}, optax.constant_schedule(1e-3)))
+    step = with_update_norms(functools.partial(diag_step,
+                                               schedule=optax.constant_schedule(1e-3)))
+    return jax.device_get(jax.jit(step)(state, {"inputs": inputs, "targets": targets}))
 
 
 @pytest.mark.parametrize(("norm", "kernel"), [*NORMS_AND_KERNELS, ("pre", "default")])
@@ -161,11 +162,13 @@ def test_every_statistic_is_finite_and_nonzero(norm):
         assert np.any(values != 0), name
 
 
+def numpy_tsim(a):
+    """tsim per sequence of a [B, L, D] array, averaged over the batch."""
+    return np.mean(np.sum(a.sum(1) ** 2, -1) / (a.shape[1] * np.sum(a**2, (1, 2))))
+
+
 def numpy_sublayer_stats(x, f, y, scale, eps):
     """theory.md's statistics of one sublayer in float64: input X, branch F, norm input y."""
-    def tsim(a):
-        return np.mean(np.sum(a.sum(1) ** 2, -1) / (a.shape[1] * np.sum(a**2, (1, 2))))
-
     def erank(a):
         sigma = np.linalg.svd(a, compute_uv=False)
         p = sigma / sigma.sum()
@@ -174,7 +177,8 @@ def numpy_sublayer_stats(x, f, y, scale, eps):
     rms = np.sqrt(np.mean(y**2, -1))
     r = np.sqrt(rms**2 + eps)
     c, c_bound = np.sqrt(np.mean(scale**2)) / r, np.abs(scale).max() / r
-    return {"tsim": tsim(x), "tsim_branch": tsim(f), "energy_ratio": np.sum(f**2) / np.sum(x**2),
+    return {"tsim": numpy_tsim(x), "tsim_branch": numpy_tsim(f),
+            "energy_ratio": np.sum(f**2) / np.sum(x**2),
             "erank": np.mean([erank(x[b]) for b in range(min(4, len(x)))]),
             "y_rms_mean": rms.mean(), "y_rms_max": rms.max(), "c_mean": c.mean(),
             "c_min": c.min(), "c_bound_mean": c_bound.mean(), "c_bound_min": c_bound.min()}
@@ -203,8 +207,10 @@ def numpy_attention_stats(x, p, n_heads, base):
 def test_forward_statistics_match_numpy_on_the_reference_forward(norm, kernel):
     """Every forward statistic the model returns per layer, from the X_k, F and y of the
     hand-written forward (tests/jax_reference.py) in float64 numpy, with gains that vary by
-    entry (so the RMS and the max of the gain differ) and a trained-looking residual stream."""
-    spec, model, params, inputs, _ = setup(norm, kernel=kernel)
+    entry (so the RMS and the max of the gain differ) and a trained-looking residual stream.
+    Six sequences, so that the effective rank's mean over the first four is tested; and the
+    residual stream leaving the last layer (before Pre-Norm's final norm)."""
+    spec, model, params, inputs, _ = setup(norm, kernel=kernel, batch=6)
     rng = np.random.default_rng(7)
     params = jax.tree_util.tree_map_with_path(
         lambda path, a: jnp.asarray(rng.uniform(0.3, 2.0, a.shape), a.dtype)
@@ -231,6 +237,7 @@ def test_forward_statistics_match_numpy_on_the_reference_forward(norm, kernel):
                 np.testing.assert_allclose(stats[key][layer], value, rtol=2e-5,
                                            err_msg=f"{key}, layer {layer}")
             x = np.asarray(ref.rms_norm(x + f, scale, spec.norm_eps)) if norm == "post" else x + f
+    np.testing.assert_allclose(stats["tsim_final"], numpy_tsim(x), rtol=2e-5)
 
 
 def test_blocked_kernel_gives_the_einsum_kernels_statistics():
@@ -247,15 +254,16 @@ def test_blocked_kernel_gives_the_einsum_kernels_statistics():
 
 def test_per_layer_parameter_gradient_and_update_norms_against_numpy():
     spec, model, params, inputs, targets = setup("post")
-    new_state, _, stats = diag_step_of("post")
+    _, _, stats = diag_step_of("post")
 
     def loss_fn(p):
         return cross_entropy(model.apply({"params": p}, inputs), targets)
 
-    grads = jax.grad(loss_fn)(params)["layers"]
-    trees = {"param_norm": params["layers"], "grad_norm": grads,
-             "update_norm": jax.tree.map(np.subtract, new_state.params["layers"],
-                                         params["layers"])}
+    grads = jax.grad(loss_fn)(params)
+    tx = optax.adamw(1e-3)  # the first AdamW update of these gradients, outside the step
+    updates, _ = tx.update(grads, tx.init(params), params)
+    trees = {"param_norm": params["layers"], "grad_norm": grads["layers"],
+             "update_norm": updates["layers"]}
     groups = {"attn": ["attn"], "ffn": ["ffn"], "norm": ["norm_attn", "norm_ffn"]}
     for prefix, tree in trees.items():
         for group, names in groups.items():
