@@ -252,9 +252,10 @@ def test_blocked_kernel_gives_the_einsum_kernels_statistics():
         np.testing.assert_allclose(blocked[key], value, rtol=2e-4, atol=1e-6, err_msg=key)
 
 
-def test_per_layer_parameter_gradient_and_update_norms_against_numpy():
-    spec, model, params, inputs, targets = setup("post")
-    _, _, stats = diag_step_of("post")
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_per_layer_parameter_gradient_and_update_norms_against_numpy(norm):
+    spec, model, params, inputs, targets = setup(norm)
+    _, _, stats = diag_step_of(norm)
 
     def loss_fn(p):
         return cross_entropy(model.apply({"params": p}, inputs), targets)
