@@ -164,18 +164,27 @@ def _refusal(workdir: str, recorded: dict, config: ml_collections.ConfigDict,
         f"back) for this config, or move the old run aside{added}")
 
 
-def check_run_config(workdir: str, config: ml_collections.ConfigDict) -> None:
-    """Raise ``WorkdirConfigError`` when ``workdir`` holds a checkpoint of a run whose config
-    differs from ``config`` outside ``RESUMABLE_FIELDS`` (the message names the fields), or a
-    checkpoint without a readable ``config.json``."""
+def _checkpointed_run_config(workdir: str) -> dict | None:
+    """The recorded config of ``workdir``'s checkpointed run; None without a checkpoint.
+    Raises ``WorkdirConfigError`` for a checkpoint without a readable ``config.json``."""
     step = latest_checkpoint_step(workdir)
     if step is None:
-        return
+        return None
     recorded = read_run_config(workdir)
     if recorded is None:
         raise WorkdirConfigError(
             f"{workdir} holds a checkpoint (step {step}) but no {CONFIG_NAME} to check this "
             "config against: restore the file, or move the run aside and use a new --workdir")
+    return recorded
+
+
+def check_run_config(workdir: str, config: ml_collections.ConfigDict) -> None:
+    """Raise ``WorkdirConfigError`` when ``workdir`` holds a checkpoint of a run whose config
+    differs from ``config`` outside ``RESUMABLE_FIELDS`` (the message names the fields), or a
+    checkpoint without a readable ``config.json``."""
+    recorded = _checkpointed_run_config(workdir)
+    if recorded is None:
+        return
     refused = [k for k in changed_fields(recorded, config)
                if not _matches(k, RESUMABLE_FIELDS)]
     if refused:
@@ -187,8 +196,9 @@ def check_run_config(workdir: str, config: ml_collections.ConfigDict) -> None:
 def check_eval_config(workdir: str, config: ml_collections.ConfigDict) -> None:
     """Raise ``WorkdirConfigError`` when ``workdir``'s recorded run differs from ``config`` in
     ``EVAL_SECTIONS`` outside ``EVAL_FREE_FIELDS`` (a checkpoint evaluated as another model,
-    or on other data)."""
-    recorded = read_run_config(workdir)
+    or on other data), or holds a checkpoint without a readable ``config.json`` (nothing says
+    which model it is)."""
+    recorded = _checkpointed_run_config(workdir)
     if recorded is None:
         return
     refused = [k for k in changed_fields(recorded, config)

@@ -87,6 +87,9 @@ def test_a_checkpoint_without_its_config_is_refused(tmp_path):
     with pytest.raises(WorkdirConfigError,
                        match=r"holds a checkpoint \(step 4\) but no config.json"):
         run_config.check_run_config(str(workdir), config)
+    with pytest.raises(WorkdirConfigError,  # nothing says which model the checkpoint is
+                       match=r"holds a checkpoint \(step 4\) but no config.json"):
+        run_config.check_eval_config(str(workdir), config)
 
 
 def test_evaluation_needs_the_runs_model_and_data(tmp_path):
