@@ -38,6 +38,7 @@ from postnorm.config_args import parse_flags
 from postnorm.data import load_data
 from postnorm.data.files import write_bytes_atomic, write_json_atomic
 from postnorm.json_numbers import dumps, from_text
+from postnorm.output_dir import make_output_dir
 from postnorm.plots import read_metrics
 from postnorm.run_record import run_once
 from postnorm.user_errors import exit_2_on_user_error
@@ -220,7 +221,7 @@ def main(argv: list[str]) -> None:
     check_workers(FLAGS.workers)
     use_allocator(FLAGS.config.runtime.allocator)  # may re-execute this command
     start = time.perf_counter()
-    out_dir = os.path.abspath(FLAGS.out_dir)
+    out_dir = make_output_dir(os.path.abspath(FLAGS.out_dir), "--out_dir")
     fig_dir = os.path.join(out_dir, "figures")
     runs = [(f"{norm}_seed{seed}", seeded_config(FLAGS.config, norm, int(seed), FLAGS.steps))
             for norm in FLAGS.norms for seed in FLAGS.seeds]

@@ -50,6 +50,7 @@ from postnorm.data.files import write_json_atomic
 from postnorm.initializers import INIT_SCHEMES, embedding_init
 from postnorm.json_numbers import dumps
 from postnorm.model import ModelSpec
+from postnorm.output_dir import make_output_dir
 from postnorm.user_errors import exit_2_on_user_error
 
 matplotlib.use("Agg")
@@ -375,10 +376,7 @@ def main(argv: list[str]) -> None:
         if not values or set(values) - set(allowed) or len(set(values)) < len(values):
             raise app.UsageError(f"--{name}={values} must be a non-empty subset of {allowed}, "
                                  "each named once")
-    try:
-        os.makedirs(FLAGS.out_dir, exist_ok=True)
-    except OSError as err:
-        raise app.UsageError(f"--out_dir={FLAGS.out_dir} cannot be created ({err})") from err
+    make_output_dir(FLAGS.out_dir, "--out_dir")  # before the computing, not after it
     start = time.perf_counter()
     config = build_config(FLAGS.n_layers, FLAGS.seq_len, FLAGS.init)
     use_allocator(config.runtime.allocator)  # may re-execute this command

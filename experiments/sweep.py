@@ -40,6 +40,7 @@ from postnorm.config_args import ConfigArgError, field_path, parse_flags
 from postnorm.data import DataError, load_data
 from postnorm.data.files import write_bytes_atomic, write_json_atomic
 from postnorm.json_numbers import dumps
+from postnorm.output_dir import make_output_dir
 from postnorm.plots import save_figure
 from postnorm.run_config import (
     WorkdirConfigError,
@@ -334,7 +335,7 @@ def main(argv: list[str]) -> None:
     check_overrides(specs, extra)
     configs = planned_configs(base_config, specs, extra)
     use_allocator(process_allocator(base_config, specs, extra))  # may re-execute this command
-    os.makedirs(FLAGS.out_dir, exist_ok=True)
+    make_output_dir(FLAGS.out_dir, "--out_dir")
     workdirs = run_workdirs(FLAGS.out_dir, specs, configs)
     if not FLAGS.report_only:
         mine = shard(list(range(len(specs))), index, count)

@@ -24,8 +24,14 @@ from postnorm.data import DataError
 from postnorm.data.files import write_json_atomic
 from postnorm.json_numbers import from_text
 from postnorm.nonfinite import NonFiniteError
+from postnorm.output_dir import make_output_dir
 from postnorm.plots import read_metrics
-from postnorm.run_config import check_run_config, config_digest, latest_checkpoint_step
+from postnorm.run_config import (
+    WorkdirError,
+    check_run_config,
+    config_digest,
+    latest_checkpoint_step,
+)
 from postnorm.run_summary import summarize
 from postnorm.train import train_and_evaluate
 
@@ -34,12 +40,33 @@ WALL_TIME_NAME = "wall_time.json"
 TrainFn = Callable[[ml_collections.ConfigDict, str], object]
 
 
-def read_result(workdir: str) -> dict | None:
-    path = os.path.join(workdir, RESULT_NAME)
+class RunRecordError(WorkdirError):
+    """A run's ``result.json`` or ``wall_time.json`` that cannot be read."""
+
+
+def _read_record(path: str, keys: tuple[str, ...], fix: str) -> dict | None:
+    """The JSON object at ``path`` with ``keys``, None if there is no file; a file that is
+    not such an object raises ``RunRecordError`` naming it and ``fix``."""
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        return from_text(json.load(f))
+    try:
+        with open(path) as f:
+            record = from_text(json.load(f))
+    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError included
+        why = str(err)
+    else:
+        missing = [k for k in keys if k not in record] if isinstance(record, dict) else keys
+        if not missing:
+            return record
+        why = f"no {', '.join(missing)}"
+    raise RunRecordError(f"{path} is damaged ({why}); delete it and rerun: {fix}")
+
+
+def read_result(workdir: str) -> dict | None:
+    """``<workdir>/result.json``; None before the run finished."""
+    return _read_record(os.path.join(workdir, RESULT_NAME), ("status", "config_digest"),
+                        "the run is then checked against its checkpoints, resumed if they fall "
+                        "short of train.steps, and its result recorded again")
 
 
 def is_finished(workdir: str, config: ml_collections.ConfigDict) -> bool:
@@ -64,20 +91,20 @@ def run_metrics_summary(workdir: str, rule: CollapseRule = DEFAULT_RULE) -> dict
     return out
 
 
-def _add_wall_time(workdir: str, config: ml_collections.ConfigDict, seconds: float) -> float:
-    """Adds ``seconds`` to the time ``config``'s run has spent in ``workdir`` over all its
-    invocations (``<workdir>/wall_time.json``) and returns the total; a total recorded for
-    another config (a workdir that started afresh) is not carried over."""
-    path, digest = os.path.join(workdir, WALL_TIME_NAME), config_digest(config)
-    total = 0.0
-    if os.path.exists(path):
-        with open(path) as f:
-            recorded = json.load(f)
-        if recorded.get("config_digest") == digest:
-            total = float(recorded["train_s"])
-    total += seconds
-    write_json_atomic(path, {"train_s": total, "config_digest": digest})
-    return total
+def _recorded_train_s(workdir: str, config: ml_collections.ConfigDict) -> float:
+    """The time ``config``'s run has spent in ``workdir`` over its earlier invocations
+    (``<workdir>/wall_time.json``); a total recorded for another config (a workdir that
+    started afresh) is not carried over."""
+    recorded = _read_record(os.path.join(workdir, WALL_TIME_NAME), ("train_s", "config_digest"),
+                            "the run's recorded wall time then restarts at that invocation")
+    if recorded is None or recorded["config_digest"] != config_digest(config):
+        return 0.0
+    return float(recorded["train_s"])
+
+
+def _record_train_s(workdir: str, config: ml_collections.ConfigDict, total: float) -> None:
+    write_json_atomic(os.path.join(workdir, WALL_TIME_NAME),
+                      {"train_s": total, "config_digest": config_digest(config)})
 
 
 def run_once(config: ml_collections.ConfigDict, workdir: str, *,
@@ -93,7 +120,8 @@ def run_once(config: ml_collections.ConfigDict, workdir: str, *,
     if is_finished(workdir, config):
         return read_result(workdir)
     check_run_config(workdir, config)
-    os.makedirs(workdir, exist_ok=True)
+    make_output_dir(workdir, "workdir")
+    earlier_s = _recorded_train_s(workdir, config)  # a damaged record: refused before training
     resumed_from = latest_checkpoint_step(workdir)
     start = time.perf_counter()
     status, error = "done", None
@@ -103,9 +131,10 @@ def run_once(config: ml_collections.ConfigDict, workdir: str, *,
         status, error = "nonfinite", str(err)
     except BaseException:  # preempted and failed invocations count too; their error wins
         with contextlib.suppress(DataError, OSError):  # a full disk fails this write too
-            _add_wall_time(workdir, config, time.perf_counter() - start)
+            _record_train_s(workdir, config, earlier_s + time.perf_counter() - start)
         raise
-    wall_s = _add_wall_time(workdir, config, time.perf_counter() - start)
+    wall_s = earlier_s + time.perf_counter() - start
+    _record_train_s(workdir, config, wall_s)
     result = {
         "workdir": os.path.abspath(workdir),
         "status": status,

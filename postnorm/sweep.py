@@ -9,6 +9,7 @@ are derived from the overrides that vary across the sweep (so they are stable an
 """
 
 import dataclasses
+import inspect
 import os
 import re
 from collections.abc import Sequence
@@ -115,8 +116,17 @@ def plan_file(sweep_arg: str) -> tuple[str, list[RunSpec]]:
     if missing:
         raise SweepError(f"{path} does not define {' and '.join(missing)}: a sweep file "
                          "defines BASE_CONFIG (a config file) and get_sweep(arg=None)")
+    base = module.BASE_CONFIG
+    if not isinstance(base, str) or not os.path.isfile(split_arg(base)[0]):
+        raise SweepError(f"{path}: BASE_CONFIG={base!r} names no config file; set it to a "
+                         "config file's path, such as 'configs/default.py' (or 'file.py:arg')")
     try:
-        return module.BASE_CONFIG, plan(module.get_sweep(arg))
+        inspect.signature(module.get_sweep).bind(arg)
+    except TypeError as err:
+        raise SweepError(f"{path}: get_sweep cannot take the sweep's argument ({err}); define "
+                         "it as get_sweep(arg=None)") from err
+    try:
+        return base, plan(module.get_sweep(arg))
     except ValueError as err:  # SweepError, or get_sweep's own (an unknown variant)
         raise SweepError(f"{sweep_arg}: {err}") from err
 

@@ -10,6 +10,7 @@ from postnorm.checkpoint import CheckpointError
 from postnorm.compilation_cache import CompilationCacheError
 from postnorm.data import DataError
 from postnorm.metrics import MetricsFileError, MetricsWriteError
+from postnorm.output_dir import OutputDirError
 from postnorm.preemption import Stopped
 from postnorm.run_config import WorkdirError
 from postnorm.sweep import SweepError
@@ -17,7 +18,8 @@ from postnorm.validation import ConfigError
 from postnorm.xla_options import XlaOptionsError
 
 USER_ERRORS = (ConfigError, AllocatorError, CompilationCacheError, DataError, CheckpointError,
-               WorkdirError, MetricsFileError, MetricsWriteError, SweepError, XlaOptionsError)
+               WorkdirError, MetricsFileError, MetricsWriteError, SweepError, XlaOptionsError,
+               OutputDirError)
 
 
 def exit_2_on_user_error(main: Callable[[list[str]], None]) -> Callable[[list[str]], None]:

@@ -115,8 +115,12 @@ def test_rmsnorm_vjp_checks_the_fused_gradients_and_times_both():
      "unexpected arguments: ['diag']"),
     ("benchmarks.rmsnorm_vjp", ["--shapes=16x128"], 1,
      "--shapes: '16x128' is not BxLxD with positive integers"),
-    ("experiments.init_similarity", ["--out_dir=/dev/null/x", "--inputs=gaussian"], 1,
-     "--out_dir=/dev/null/x cannot be created"),
+    ("experiments.init_similarity", ["--out_dir=/dev/null/x", "--inputs=gaussian"], 2,
+     "postnorm: error: --out_dir='/dev/null/x' cannot be created or written"),
+    ("experiments.sweep", ["--sweep=configs/sweeps/stability.py:smoke", "--out_dir=/dev/null"],
+     2, "postnorm: error: --out_dir='/dev/null' cannot be created or written (File exists)"),
+    ("experiments.collapse", ["--out_dir=/dev/null/x", "--steps=2"], 2,
+     "postnorm: error: --out_dir='/dev/null/x' cannot be created or written"),
 ])
 def test_bad_input_is_one_line_before_compiling(module, args, code, message):
     result = run_module(module, *args)

@@ -18,6 +18,7 @@ from experiments import sweep as sweep_cli
 from postnorm import json_numbers, run_config, run_record, sweep
 from postnorm.metrics import layer_key
 from postnorm.nonfinite import NonFiniteError
+from postnorm.output_dir import OutputDirError
 from postnorm.preemption import Preempted
 from postnorm.train import train_and_evaluate
 from tests.reliability_helpers import REPO
@@ -155,6 +156,68 @@ def test_a_nonfinite_run_is_recorded_and_not_retried(tmp_path):
     assert result["skipped_steps"] is None  # it stopped at its first non-finite step
     run_record.run_once(config, workdir, train_fn=trainer)
     assert len(trainer.calls) == 1
+
+
+@pytest.mark.parametrize("text", ["{", "[]", '{"status": "done"}'])
+def test_a_damaged_result_is_named_and_deleting_it_records_the_run_again(tmp_path, text):
+    config, workdir = small_config(), str(tmp_path / "run")
+    trainer = RecordingTrainer()
+    first = run_record.run_once(config, workdir, train_fn=trainer)
+    path = os.path.join(workdir, run_record.RESULT_NAME)
+    with open(path, "w") as f:
+        f.write(text)
+    for call in (lambda: run_record.is_finished(workdir, config),
+                 lambda: run_record.run_once(config, workdir, train_fn=trainer)):
+        with pytest.raises(run_record.RunRecordError,
+                           match=rf"^{re.escape(path)} is damaged \(.+\); delete it and rerun"):
+            call()
+    assert trainer.calls == [workdir]  # refused before training
+    os.remove(path)
+    again = run_record.run_once(config, workdir, train_fn=trainer)
+    assert trainer.calls == [workdir, workdir] and again["final_step"] == first["final_step"]
+    assert run_record.is_finished(workdir, config)
+
+
+def test_a_damaged_wall_time_is_refused_before_training(tmp_path):
+    config, workdir = small_config(), str(tmp_path / "run")
+    os.makedirs(workdir)
+    RecordingTrainer(stop_at=2)(config, workdir)  # a partial run
+    path = os.path.join(workdir, run_record.WALL_TIME_NAME)
+    with open(path, "w") as f:
+        f.write('{"train_s": 3.0')
+    trainer = RecordingTrainer()
+    with pytest.raises(run_record.RunRecordError, match=rf"^{re.escape(path)} is damaged .*"
+                                                        "recorded wall time then restarts"):
+        run_record.run_once(config, workdir, train_fn=trainer)
+    assert trainer.calls == [] and not run_record.is_finished(workdir, config)
+    os.remove(path)
+    assert run_record.run_once(config, workdir, train_fn=trainer)["status"] == "done"
+
+
+def test_a_run_workdir_that_is_a_file_is_refused_by_name(tmp_path):
+    workdir = tmp_path / "run"
+    workdir.write_text("kept")
+    with pytest.raises(OutputDirError, match=r"^workdir='.*run' cannot be created "
+                                             r"or written \(File exists\)"):
+        run_record.run_once(small_config(), str(workdir), train_fn=RecordingTrainer())
+    assert workdir.read_text() == "kept"
+
+
+@pytest.mark.parametrize("sweep_file, message", [
+    ("BASE_CONFIG = 'configs/nonexistent.py'\ndef get_sweep(arg=None):\n    return []\n",
+     "BASE_CONFIG='configs/nonexistent.py' names no config file"),
+    ("BASE_CONFIG = 5\ndef get_sweep(arg=None):\n    return []\n",
+     "BASE_CONFIG=5 names no config file"),
+    ("BASE_CONFIG = 'configs/default.py'\ndef get_sweep():\n    return []\n",
+     r"get_sweep cannot take the sweep's argument \(too many positional arguments\); "
+     r"define it as get_sweep\(arg=None\)"),
+])
+def test_a_sweep_file_with_a_bad_base_config_or_get_sweep_is_refused(tmp_path, sweep_file,
+                                                                     message):
+    path = tmp_path / "my_sweep.py"
+    path.write_text(sweep_file)
+    with pytest.raises(sweep.SweepError, match=rf"^{re.escape(str(path))}: {message}"):
+        sweep.plan_file(f"{path}:smoke")
 
 
 def test_summary_table_and_stability_map(tmp_path):

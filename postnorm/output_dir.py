@@ -1,0 +1,24 @@
+"""Output directories named on a command line: created and proved writable before any work."""
+
+import os
+import tempfile
+
+
+class OutputDirError(ValueError):
+    """An output directory that cannot be created or written; the message names the flag."""
+
+
+def make_output_dir(path: str, name: str) -> str:
+    """Create ``path`` (with its parents) and write a probe file in it, so that a directory
+    that cannot hold the outputs fails before the work that produces them. Raises
+    ``OutputDirError`` naming ``name`` (the flag or field that gave ``path``)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-probe-"):
+            pass
+    except OSError as err:
+        raise OutputDirError(
+            f"{name}={path!r} cannot be created or written ({err.strerror or err}); give a "
+            "directory that exists or can be created, with write permission, and no regular "
+            "file on its path") from err
+    return path

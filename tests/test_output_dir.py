@@ -1,0 +1,37 @@
+"""make_output_dir: an output directory is created and proved writable before any work."""
+
+import errno
+import tempfile
+
+import pytest
+
+from postnorm.output_dir import OutputDirError, make_output_dir
+from postnorm.user_errors import USER_ERRORS
+
+
+def test_a_directory_is_created_with_its_parents_and_left_empty(tmp_path):
+    path = tmp_path / "a" / "b"
+    assert make_output_dir(str(path), "--out_dir") == str(path)
+    assert path.is_dir() and list(path.iterdir()) == []  # the probe file is gone
+    make_output_dir(str(path), "--out_dir")  # an existing directory is fine
+
+
+def test_a_path_through_or_at_a_file_is_refused_naming_the_flag(tmp_path):
+    (tmp_path / "f").write_text("kept")
+    for path, why in ((tmp_path / "f", "File exists"), (tmp_path / "f" / "x", "Not a directory")):
+        with pytest.raises(OutputDirError, match=rf"^--out_dir='{path}' cannot be created or "
+                                                 rf"written \({why}\); give a directory"):
+            make_output_dir(str(path), "--out_dir")
+    assert (tmp_path / "f").read_text() == "kept"
+    assert OutputDirError in USER_ERRORS  # entry points print it in one line and exit 2
+
+
+def test_a_directory_that_cannot_be_written_is_refused(tmp_path, monkeypatch):
+    """As root, permission bits do not stop writes; the probe's own failure stands in."""
+    def refuse(**kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", refuse)
+    with pytest.raises(OutputDirError, match=r"workdir='.*' cannot be created or written "
+                                             r"\(Permission denied\)"):
+        make_output_dir(str(tmp_path), "workdir")
