@@ -87,11 +87,17 @@ def _brief(reason: Exception | str, limit: int = 300) -> str:
     return line if len(line) <= limit else line[:limit] + " ..."
 
 
+# The JSON files of a step directory: orbax's metadata, the checksums, the data-iterator state
+# and the state's tree and sharding metadata (its array chunks are binary).
+_JSON_FILES = ("_CHECKPOINT_METADATA", "integrity/*", "data/*", "state/_METADATA",
+               "state/_sharding", "state/array_metadatas/*")
+
+
 def _damaged_json(step_dir: epath.Path) -> str:
-    """The JSON file of ``step_dir`` (the checksums, the data-iterator state) that does not
-    parse, or the step directory when each one does."""
-    for item in ("integrity", "data"):
-        for path in sorted((step_dir / item).glob("*")) if (step_dir / item).exists() else []:
+    """The JSON file of ``step_dir`` that does not parse, or the step directory when each
+    one does."""
+    for pattern in _JSON_FILES:
+        for path in sorted(step_dir.glob(pattern)):
             if path.name == "commit_success.txt" or not path.is_file():
                 continue
             try:

@@ -40,15 +40,15 @@ _OUT_OF_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
 @contextlib.contextmanager
-def _writing(path: str) -> Iterator[None]:
-    """Turns an ``OSError`` while writing ``path`` into a ``MetricsWriteError`` that says
-    what to do about it."""
+def _writing(path: str, kind: str = "file") -> Iterator[None]:
+    """Turns an ``OSError`` while writing ``path`` (a ``kind``: file or directory) into a
+    ``MetricsWriteError`` that says what to do about it."""
     try:
         yield
     except OSError as err:
         fix = ("Free space on its file system (or raise the quota or file-size limit that "
                "stopped it)" if err.errno in _OUT_OF_SPACE else
-               "Make it a writable file in a writable directory")
+               f"Make it a writable {kind} in a writable directory")
         raise MetricsWriteError(f"Writing {path} failed ({err.strerror or err}). {fix}, then "
                                 "rerun: the run resumes from its latest finalized checkpoint"
                                 ) from err
@@ -123,17 +123,17 @@ class MetricWriter:
         # reopened within that second (a rollback's restart) would erase the first.
         suffix = f".{os.getpid()}.{next(_WRITER_COUNT):04d}"
         tensorboard_dir = os.path.join(workdir, "tensorboard")
-        with self._writing(tensorboard_dir):
+        with self._writing(tensorboard_dir, "directory"):
             self._tb = EventFile(tensorboard_dir, filename_suffix=suffix,
                                  purge_step=None if after_step is None else after_step + 1)
         with self._writing(self.jsonl_path):
             self._jsonl = open(self.jsonl_path, "a")  # noqa: SIM115
 
     @contextlib.contextmanager
-    def _writing(self, path: str) -> Iterator[None]:
-        """``_writing(path)``, remembering a failure (``close`` then raises no more)."""
+    def _writing(self, path: str, kind: str = "file") -> Iterator[None]:
+        """``_writing(path, kind)``, remembering a failure (``close`` then raises no more)."""
         try:
-            with _writing(path):
+            with _writing(path, kind):
                 yield
         except MetricsWriteError:
             self._failed = True

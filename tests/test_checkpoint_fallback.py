@@ -112,12 +112,12 @@ def test_damaged_latest_falls_back_to_the_previous_step(saved, damage, caplog):
     assert restored[1] == 2 and _host(restored[0]) == _host(states[2])
 
 
-@pytest.mark.parametrize("item", ["integrity", "data"])
+@pytest.mark.parametrize("item", ["integrity/*", "data/*", "state/_METADATA"])
 def test_a_damaged_json_file_is_named_and_the_previous_step_restores(saved, item, caplog):
-    """The checksums and the data-iterator state are JSON files; orbax's error for a garbled
-    one names no file, the log line does."""
+    """The checksums, the data-iterator state and the state's tree metadata are JSON files;
+    orbax's error for a garbled one names no file, the log line does."""
     directory, states = saved
-    (damaged,) = [p for p in (directory / "2" / item).iterdir() if p.name != "commit_success.txt"]
+    (damaged,) = [p for p in (directory / "2").glob(item) if p.name != "commit_success.txt"]
     damaged.write_text('{"state": [garbled')
     with caplog.at_level(logging.ERROR):
         state, step = Checkpointer(str(directory), save_every=1, keep=5).restore_latest(

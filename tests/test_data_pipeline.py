@@ -176,6 +176,16 @@ def test_restored_iterator_continues_identically(lm, k):
     assert_batches_equal(take(twice, 5), expected)
 
 
+@pytest.mark.parametrize("state", [{}, {"offset": 3}, []])
+def test_a_saved_position_without_its_fields_is_refused_by_name(lm, state):
+    """A damaged data position names what it lacks and where it came from (the trainer's
+    log line for the unusable checkpoint step), not a bare KeyError."""
+    it = lm.train_iterator(batch_size=4, seed=5)
+    with pytest.raises(ValueError, match=r"the saved data position has no .*sequence_parent_"
+                                         r"state: its file \(data/process_"):
+        it.set_state(state)
+
+
 def test_orbax_checkpoint_round_trip_of_iterator(lm, tmp_path):
     it = lm.train_iterator(batch_size=4, seed=2)
     take(it, 3)

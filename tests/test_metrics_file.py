@@ -207,6 +207,14 @@ def test_a_truncation_that_cannot_be_written_is_named_and_leaves_the_file(
     truncate_jsonl(str(path), 2)  # nothing to drop: the file is not rewritten at all
 
 
+def test_a_tensorboard_path_that_is_a_file_is_named_as_a_directory_to_fix(tmp_path):
+    (tmp_path / "tensorboard").write_text("not a directory")
+    with pytest.raises(MetricsWriteError, match=rf"^Writing {tmp_path / 'tensorboard'} failed "
+                                                r"\(.+\)\. Make it a writable directory in"):
+        MetricWriter(str(tmp_path))
+    assert (tmp_path / "tensorboard").read_text() == "not a directory"
+
+
 def test_a_writer_that_cannot_write_closes_both_files_and_names_the_event_file(
         tmp_path, monkeypatch):
     writer = MetricWriter(str(tmp_path))
