@@ -55,12 +55,17 @@ def diag_step(state: TrainState, batch: Batch, schedule: optax.Schedule
     return new_state, metrics, gather_diagnostics(forward, probe_grads, state, grads)
 
 
-def with_update_norms(step_fn: Callable) -> Callable:
+DiagStep = Callable[[TrainState, Batch],
+                    tuple[TrainState, dict[str, jax.Array], dict[str, jax.Array]]]
+
+
+def with_update_norms(step_fn: DiagStep) -> DiagStep:
     """``step_fn(state, batch) -> (state, metrics, diagnostics)``, a diagnostic step wrapped
     by the non-finite guard, with the per-layer norms of the update it applied added: zero on
     a step the guard skipped, whose computed update was thrown away."""
 
-    def step(state: TrainState, batch: Batch):
+    def step(state: TrainState, batch: Batch
+             ) -> tuple[TrainState, dict[str, jax.Array], dict[str, jax.Array]]:
         new_state, metrics, diagnostics = step_fn(state, batch)
         return new_state, metrics, {**diagnostics, **update_norms(state, new_state)}
 

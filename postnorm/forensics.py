@@ -88,7 +88,9 @@ def write_nonfinite_dump(workdir: str, step: int, iterator_state: dict,
         "layers_with_nonfinite_gradients": sorted({
             int(layer) for k, v in diagnostics.items() if k.startswith("grad_norm_")
             for layer in np.flatnonzero(~np.isfinite(np.asarray(v)))}),
-        "diagnostics": {k: np.asarray(v, np.float64).tolist() for k, v in diagnostics.items()},
+        # The step's update is never applied, so its update norms would read 0: left out.
+        "diagnostics": {k: np.asarray(v, np.float64).tolist() for k, v in diagnostics.items()
+                        if not k.startswith("update_norm_")},
     }
     tmp = path + ".tmp"
     with open(tmp, "w") as f:

@@ -52,7 +52,10 @@ def _read_record(path: str, keys: tuple[str, ...], fix: str) -> dict | None:
     try:
         with open(path) as f:
             record = from_text(json.load(f))
-    except (OSError, ValueError) as err:  # JSONDecodeError and UnicodeDecodeError included
+    except OSError as err:
+        raise RunRecordError(f"{path} cannot be read ({err.strerror or err}): make it a "
+                             "readable file") from err
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
         why = str(err)
     else:
         missing = [k for k in keys if k not in record] if isinstance(record, dict) else keys
@@ -72,7 +75,7 @@ def read_result(workdir: str) -> dict | None:
 def is_finished(workdir: str, config: ml_collections.ConfigDict) -> bool:
     """See the module docstring."""
     result = read_result(workdir)
-    if result is None or result.get("config_digest") != config_digest(config):
+    if result is None or result["config_digest"] != config_digest(config):
         return False
     if result["status"] == "nonfinite":
         return True
@@ -94,15 +97,16 @@ def run_metrics_summary(workdir: str, rule: CollapseRule = DEFAULT_RULE) -> dict
 def _recorded_train_s(workdir: str, config: ml_collections.ConfigDict) -> float:
     """The time ``config``'s run has spent in ``workdir`` over its earlier invocations
     (``<workdir>/wall_time.json``); a total recorded for another config (a workdir that
-    started afresh) is not carried over."""
-    recorded = _read_record(os.path.join(workdir, WALL_TIME_NAME), ("train_s", "config_digest"),
+    started afresh), or by a version that recorded no config digest, is not carried over."""
+    recorded = _read_record(os.path.join(workdir, WALL_TIME_NAME), ("train_s",),
                             "the run's recorded wall time then restarts at that invocation")
-    if recorded is None or recorded["config_digest"] != config_digest(config):
+    if recorded is None or recorded.get("config_digest") != config_digest(config):
         return 0.0
     return float(recorded["train_s"])
 
 
 def _record_train_s(workdir: str, config: ml_collections.ConfigDict, total: float) -> None:
+    """Records ``total`` as the time ``config``'s run has spent in ``workdir``."""
     write_json_atomic(os.path.join(workdir, WALL_TIME_NAME),
                       {"train_s": total, "config_digest": config_digest(config)})
 

@@ -122,7 +122,7 @@ def plan_file(sweep_arg: str) -> tuple[str, list[RunSpec]]:
                          "config file's path, such as 'configs/default.py' (or 'file.py:arg')")
     try:
         inspect.signature(module.get_sweep).bind(arg)
-    except TypeError as err:
+    except (TypeError, ValueError) as err:  # ValueError: a callable without a signature
         raise SweepError(f"{path}: get_sweep cannot take the sweep's argument ({err}); define "
                          "it as get_sweep(arg=None)") from err
     try:

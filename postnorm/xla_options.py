@@ -75,6 +75,7 @@ def compiler_options(text: str, field: str | None = None) -> XlaOptions:
 
 @functools.cache
 def _checked_options(text: str, field: str) -> tuple[tuple[str, bool | int | float | str], ...]:
+    """``compiler_options``' typed items, once per (``text``, ``field``) and process."""
     items = _items(text, field)
     options = {name: _typed(value) for name, value in items.items()}
     retyped: set[str] = set()

@@ -206,6 +206,8 @@ def test_abort_dumps_the_step_and_exits_nonzero_before_any_checkpoint_of_it(setu
     finite = [k for k, v in dump["diagnostics"].items()
               if isinstance(v, list) and isinstance(v[0], float) and k.startswith("attn_")]
     assert finite, dump["diagnostics"]
+    assert "grad_norm_attn" in dump["diagnostics"]
+    assert not [k for k in dump["diagnostics"] if k.startswith("update_norm_")]  # never applied
     # The recorded iterator position is the one before the third batch.
     corpus, data_dir, _ = setup
     data = load_data(tiny_config(corpus, data_dir).data)

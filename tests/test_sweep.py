@@ -194,6 +194,23 @@ def test_a_damaged_wall_time_is_refused_before_training(tmp_path):
     assert run_record.run_once(config, workdir, train_fn=trainer)["status"] == "done"
 
 
+def test_a_wall_time_recorded_without_a_config_digest_restarts_the_total(tmp_path):
+    """The format of versions before the digest was recorded: not damaged, not carried over."""
+    config, workdir = small_config(), str(tmp_path / "run")
+    os.makedirs(workdir)
+    with open(os.path.join(workdir, run_record.WALL_TIME_NAME), "w") as f:
+        f.write('{"train_s": 1000.0}')
+    assert run_record.run_once(config, workdir, train_fn=RecordingTrainer())["wall_s"] < 100
+
+
+def test_a_result_that_cannot_be_read_is_named_with_its_own_fix(tmp_path):
+    workdir = tmp_path / "run"
+    (workdir / run_record.RESULT_NAME).mkdir(parents=True)
+    with pytest.raises(run_record.RunRecordError, match=r"result.json cannot be read \(Is a "
+                                                        r"directory\): make it a readable file"):
+        run_record.read_result(str(workdir))
+
+
 def test_a_run_workdir_that_is_a_file_is_refused_by_name(tmp_path):
     workdir = tmp_path / "run"
     workdir.write_text("kept")
