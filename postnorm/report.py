@@ -152,7 +152,7 @@ def build_report(workdir: str, fallback_config: dict | None = None,
                ("last logged step", train[-1][0]),
                ("train loss at the last logged step", train[-1][1]),
                ("final eval loss", evals[-1] if evals else None), ("L_freq", lfreq),
-               ("the same / L_freq", train[-1][1] / lfreq),
+               ("train loss at the last logged step / L_freq", train[-1][1] / lfreq),
                (f"mean train loss of the last {rule.loss_smoothing} logged steps / the "
                 "frequency floor of their batches", floor[0] / floor[1])]
     if collapse is not None:

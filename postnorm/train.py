@@ -292,7 +292,7 @@ def _train_loop(exp: Experiment, ckpt: Checkpointer, watch: PreemptionWatch,
         program = "diag" if is_diag else "train"
         compiling = program not in called
         called.add(program)
-        with reporter.excluded() if compiling else contextlib.nullcontext():
+        with reporter.excluded(state) if compiling else contextlib.nullcontext():
             if is_diag:
                 state, device_metrics, device_diag = exp.steps.diag(state, batch)
             else:
@@ -321,12 +321,10 @@ def _train_loop(exp: Experiment, ckpt: Checkpointer, watch: PreemptionWatch,
             positions.clear()
         if is_eval:
             reporter.flush()
-            jax.block_until_ready(state)  # the step's own time stays in the rate
-            with reporter.excluded():
+            with reporter.excluded(state):
                 reporter.write_eval(step, evaluate(exp, state), exp.eval_floor)
         if ckpt.should_save(step, force=step == total or stop):
-            jax.block_until_ready(state)
-            with reporter.excluded():
+            with reporter.excluded(state):
                 ckpt.save(step, state, data_iter, force=step == total or stop)
         if stop and step < total:  # a stop asked for during the last step: the run is done
             reporter.flush()
@@ -396,8 +394,11 @@ class _Reporter:
         self.saw_skip, self._held, self._skipped = False, None, skipped_steps
 
     @contextlib.contextmanager
-    def excluded(self) -> Iterator[None]:
-        """Leave the time of the block (a compile, an eval, a save) out of the step rate."""
+    def excluded(self, state: GuardedState) -> Iterator[None]:
+        """Leave the time of the block (a compile, an eval, a save) out of the step rate,
+        once the steps dispatched before it have produced ``state``: their run time, which
+        would otherwise overlap the block, stays in the rate."""
+        jax.block_until_ready(state)
         start = time.perf_counter()
         try:
             yield

@@ -241,7 +241,8 @@ def test_the_report_summary_and_warnings_hold_hand_computed_values(tmp_path):
     text = report.build_report(str(tmp_path))
     cells = _summary_cells(text)
     assert float(cells["train loss at the last logged step"]) == 5.3
-    assert float(cells["the same / L_freq"]) == pytest.approx(5.3 / LFREQ, rel=1e-5)
+    assert float(cells["train loss at the last logged step / L_freq"]) == pytest.approx(
+        5.3 / LFREQ, rel=1e-5)
     smoothed = [key for key in cells if key.startswith("mean train loss of the last 3")]
     assert len(smoothed) == 1
     assert float(cells[smoothed[0]]) == pytest.approx(

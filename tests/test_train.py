@@ -1,9 +1,12 @@
 """Training tests: the loss falls, resume is exact, and the sharded step matches one device."""
 
+import functools
 import json
 import shutil
+import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -226,3 +229,25 @@ def test_eval_loss_is_the_token_mean_cross_entropy_of_every_eval_batch(tmp_path)
     # Equal-size batches: the mean of batch means is the token-weighted mean.
     expected = float(np.concatenate([t.ravel() for t in per_token]).mean())
     assert train.evaluate(exp, state) == pytest.approx(expected, rel=2e-6)
+
+
+def test_time_left_out_of_the_step_rate_starts_when_the_dispatched_steps_finish(tmp_path):
+    """A compile, an eval or a save is left out of ``train/tokens_per_s``. Steps dispatched
+    before it may still be running (dispatch is asynchronous); their time must stay in the
+    rate, not vanish into the left-out block that overlaps them."""
+    reporter = train._Reporter(str(tmp_path), tokens_per_step=1, total_steps=10, lfreq=1.0)
+    reporter.restart(0, 0)
+    steps = jax.jit(lambda x: functools.reduce(lambda a, _: jnp.tanh(a @ a), range(8), x))
+    x = jnp.full((1536, 1536), 1 / 1536, jnp.float32)
+    jax.block_until_ready(steps(x))  # compiled
+    start = time.perf_counter()
+    jax.block_until_ready(steps(x))
+    work = time.perf_counter() - start  # the steps' own time
+    assert work > 0.1
+    start = time.perf_counter()
+    pending = steps(x)
+    with reporter.excluded(pending):
+        time.sleep(work)  # a compile as long as the steps
+    counted = time.perf_counter() - start - reporter.progress._excluded_s
+    assert counted > 0.5 * work  # overlapping the block, it would have been about 0
+    reporter.close()
