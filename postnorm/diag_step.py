@@ -6,6 +6,7 @@ norms are read off the stacked parameters. ``flatten_diagnostics`` turns the res
 metric keys with zero-padded layer indices (``diag/tsim_attn/layer_07``).
 """
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -64,6 +65,7 @@ def with_update_norms(step_fn: DiagStep) -> DiagStep:
     by the non-finite guard, with the per-layer norms of the update it applied added: zero on
     a step the guard skipped, whose computed update was thrown away."""
 
+    @functools.wraps(step_fn)  # the program keeps the wrapped step's name (logs, caches)
     def step(state: TrainState, batch: Batch
              ) -> tuple[TrainState, dict[str, jax.Array], dict[str, jax.Array]]:
         new_state, metrics, diagnostics = step_fn(state, batch)

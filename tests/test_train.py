@@ -18,6 +18,7 @@ from postnorm.data.lfreq import frequency_floor
 from postnorm.metrics import MetricWriter
 from postnorm.model import ModelSpec
 from postnorm.optim import make_optimizer
+from postnorm.run_config import write_run_config
 from postnorm.sharding import batch_sharding, make_mesh
 from postnorm.step_builder import compile_steps
 from postnorm.train import train_and_evaluate
@@ -140,8 +141,9 @@ def test_a_failed_build_still_closes_the_checkpointer(entry, opened, corpus, tmp
 
     monkeypatch.setattr(opened, "close", recording_close)
     config = tiny_config(corpus, tmp_path / "data", train__eval_batches=10_000)
-    if entry is train.evaluate_checkpoint:  # it builds only for a workdir with a checkpoint
+    if entry is train.evaluate_checkpoint:  # it builds only for a run with a checkpoint
         (tmp_path / "run" / "checkpoints" / "1").mkdir(parents=True)
+        write_run_config(str(tmp_path / "run"), config)
     with pytest.raises(DataError, match=r"lower the eval batch count or size "
                        r"\(train.eval_batches, data.batch_size\) or data.seq_len"):
         entry(config, str(tmp_path / "run"))
