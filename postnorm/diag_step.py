@@ -23,6 +23,8 @@ from postnorm.taps import zero_probes
 # ||dL/dX||_F, ||Pi_1 dL/dX||_F and ||(I - Pi_1) dL/dX||_F, in the order of taps.TAP_STATS.
 TAP_NORM_NAMES = ("dldx_norm", "dldx_mean_norm", "dldx_repair_norm")
 PARAM_GROUPS = {"attn": ("attn",), "ffn": ("ffn",), "norm": ("norm_attn", "norm_ffn")}
+DiagStep = Callable[[TrainState, Batch],
+                    tuple[TrainState, dict[str, jax.Array], dict[str, jax.Array]]]
 
 
 def layer_norms(layer_params: dict) -> dict[str, jax.Array]:
@@ -54,10 +56,6 @@ def diag_step(state: TrainState, batch: Batch, schedule: optax.Schedule
                "train/lr": schedule(state.step)}
 
     return new_state, metrics, gather_diagnostics(forward, probe_grads, state, grads)
-
-
-DiagStep = Callable[[TrainState, Batch],
-                    tuple[TrainState, dict[str, jax.Array], dict[str, jax.Array]]]
 
 
 def with_update_norms(step_fn: DiagStep) -> DiagStep:
