@@ -123,6 +123,7 @@ def build_experiment(config: ml_collections.ConfigDict,
     counts = param_count_formula(spec)
     logging.info("parameters: %s", ", ".join(f"{k}={v:,}" for k, v in counts.items()))
     mesh = make_mesh(config.mesh)
+    logging.info("mesh: %s", ", ".join(f"{axis}={size}" for axis, size in mesh.shape.items()))
     tx, schedule = make_optimizer(config.opt, config.train.steps)
     steps = compile_steps(spec, tx, schedule, mesh,
                           halt_on_nonfinite=config.train.nonfinite != "skip",
