@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from typing import Any
 
 import grain
@@ -45,6 +44,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from postnorm.checksum import tree_checksums
+from postnorm.output_dir import make_writable_dir
 from postnorm.run_config import finalized_steps
 
 PyTree = Any
@@ -61,9 +61,7 @@ class ProcessCountError(CheckpointError):
 def _check_writable(directory: epath.Path) -> None:
     """Creates `directory` (idempotently, on every process) and proves it writable."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-probe-"):
-            pass
+        make_writable_dir(str(directory))
     except OSError as e:
         raise CheckpointError(
             f"Checkpoint directory {directory} cannot be created or written ({e}). "

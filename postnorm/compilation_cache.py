@@ -15,10 +15,11 @@ Entries are executable code: a directory others can write to lets them run code 
 """
 
 import os
-import tempfile
 
 import jax
 from absl import logging
+
+from postnorm.output_dir import make_writable_dir
 
 _directory_in_use: str | None = None  # the directory this process set, once set
 
@@ -47,9 +48,7 @@ def use_compilation_cache(directory: str) -> None:
                                     f"at {_directory_in_use}, and one serves a process; run the "
                                     "config in a new process or give it the same directory")
     try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
+        make_writable_dir(path)
     except OSError as err:
         raise CompilationCacheError(
             f"{field}: {path} cannot be created or written ({err.strerror or err}); point it at "

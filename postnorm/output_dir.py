@@ -1,4 +1,5 @@
-"""Output directories named on a command line: created and proved writable before any work."""
+"""Directories a run writes to (outputs, checkpoints, the compilation cache): created and
+proved writable before any work."""
 
 import os
 import tempfile
@@ -8,14 +9,20 @@ class OutputDirError(ValueError):
     """An output directory that cannot be created or written; the message names the flag."""
 
 
+def make_writable_dir(path: str) -> None:
+    """Create ``path`` (with its parents) and write and remove a probe file in it; raises the
+    ``OSError`` of whichever failed, for the caller to name."""
+    os.makedirs(path, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path, prefix=".write-probe-"):
+        pass
+
+
 def make_output_dir(path: str, name: str) -> str:
-    """Create ``path`` (with its parents) and write a probe file in it, so that a directory
-    that cannot hold the outputs fails before the work that produces them. Raises
-    ``OutputDirError`` naming ``name`` (the flag or field that gave ``path``)."""
+    """``make_writable_dir``, so that a directory that cannot hold the outputs fails before
+    the work that produces them. Raises ``OutputDirError`` naming ``name`` (the flag or field
+    that gave ``path``)."""
     try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-probe-"):
-            pass
+        make_writable_dir(path)
     except OSError as err:
         raise OutputDirError(
             f"{name}={path!r} cannot be created or written ({err.strerror or err}); give a "
