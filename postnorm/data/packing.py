@@ -45,8 +45,8 @@ class _PackIterator(grain.DatasetIterator):
         return {"sequence_parent_state": self._seq_state, "offset": self._offset}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        missing = sorted({"sequence_parent_state", "offset"} - set(state)
-                         if isinstance(state, dict) else ["sequence_parent_state", "offset"])
+        missing = [field for field in ("offset", "sequence_parent_state")
+                   if not isinstance(state, dict) or field not in state]
         if missing:
             raise ValueError(f"the saved data position has no {' or '.join(missing)}: its "
                              "file (data/process_<i>-of-<n>.json of the checkpoint step) is "
