@@ -49,6 +49,13 @@ def _img(path: str) -> str:
             f"<figcaption>{html.escape(name)}</figcaption></figure>")
 
 
+def _ratio(record: dict, numerator: str, denominator: str) -> float | None:
+    """``record[numerator] / record[denominator]``, or None when either is not logged."""
+    if numerator in record and denominator in record:
+        return record[numerator] / record[denominator]
+    return None
+
+
 def _table(rows: list[tuple[str, object]]) -> str:
     def fmt(value: object) -> str:
         if isinstance(value, float):
@@ -141,7 +148,8 @@ def build_report(workdir: str, fallback_config: dict | None = None,
     heatmaps = plot_heatmaps(series, plot_dir)
 
     train = [(r["step"], r["train/loss"]) for r in records if "train/loss" in r]
-    evals = [r["eval/loss"] for r in records if "eval/loss" in r]
+    evals = [r for r in records if "eval/loss" in r]
+    last_eval = evals[-1] if evals else {}
     lfreq = lfreq_of(records)
     train_S = train_loss_and_floor(records)
     floor = loss_and_floor_at(train_S, train_S[-1][0], rule.loss_smoothing)
@@ -151,8 +159,11 @@ def build_report(workdir: str, fallback_config: dict | None = None,
                          f"d={model['d_model']}"),
                ("last logged step", train[-1][0]),
                ("train loss at the last logged step", train[-1][1]),
-               ("final eval loss", evals[-1] if evals else None), ("L_freq", lfreq),
+               ("final eval loss", last_eval.get("eval/loss")), ("L_freq", lfreq),
                ("train loss at the last logged step / L_freq", train[-1][1] / lfreq),
+               ("final eval loss / L_freq", _ratio(last_eval, "eval/loss", "eval/lfreq")),
+               ("final eval loss / the frequency floor of the eval batches",
+                _ratio(last_eval, "eval/loss", "eval/freq_floor")),
                (f"mean train loss of the last {rule.loss_smoothing} logged steps / the "
                 "frequency floor of their batches", floor[0] / floor[1])]
     if collapse is not None:

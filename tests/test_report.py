@@ -36,7 +36,7 @@ def write_run(workdir, collapse: bool = True, skipped: int = 2) -> None:
                 for kind in ("attn", "ffn"):
                     record[layer_key(f"diag/{name}_{kind}", layer, N_LAYERS)] = value
         if step == 100:
-            record.update({"eval/loss": 5.2, "eval/lfreq": 5.0})
+            record.update({"eval/loss": 5.2, "eval/lfreq": 5.0, "eval/freq_floor": 4.0})
         lines.append(json.dumps(record))
     (workdir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
 
@@ -59,6 +59,9 @@ def test_report_embeds_every_figure_and_warns(tmp_path):
     assert "2 non-finite steps were skipped" in text
     assert "Gradient vanishing in the early layers" in text
     assert "&quot;n_layers&quot;: 6" in text  # the config section, HTML-escaped
+    for label, value in [("final eval loss / L_freq", "1.04"),
+                         ("final eval loss / the frequency floor of the eval batches", "1.3")]:
+        assert re.search(re.escape(label) + r"</th><td>" + re.escape(value) + "<", text), label
 
 
 def test_report_of_a_healthy_run_has_no_collapse_warning(tmp_path):
