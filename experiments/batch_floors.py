@@ -22,6 +22,7 @@ from ml_collections import config_flags
 from postnorm.config_args import parse_flags
 from postnorm.data import check_data_config, load_data
 from postnorm.data.lfreq import frequency_floor
+from postnorm.flag_lists import integer_list
 from postnorm.json_numbers import dumps
 from postnorm.user_errors import exit_2_on_user_error
 from postnorm.validation import check_train
@@ -43,12 +44,6 @@ def floors_per_step(config, seed: int, steps: int) -> np.ndarray:
                      for batch in itertools.islice(batches, steps)])
 
 
-def _integers(name: str, values: list[str], minimum: int) -> list[int]:
-    if not all(v.isdigit() and minimum <= int(v) < 2**31 for v in values):
-        raise app.UsageError(f"--{name}={values}: each must be an integer in [{minimum}, 2**31)")
-    return [int(v) for v in values]
-
-
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -58,7 +53,7 @@ def main(argv: list[str]) -> None:
     steps = FLAGS.steps or config.train.steps
     if steps < 2:
         raise app.UsageError(f"train.steps={steps}: the floors' sd needs --steps >= 2")
-    seeds, next_counts = _integers("seeds", FLAGS.seeds, 0), _integers("next", FLAGS.next, 1)
+    seeds, next_counts = integer_list("seeds", FLAGS.seeds, 0), integer_list("next", FLAGS.next, 1)
     every = config.train.log_every
     # the trainer logs every log_every steps, the first and the last
     last_logged = [s for s in range(steps, 0, -1) if s % every == 0 or s in (1, steps)][:3]

@@ -25,6 +25,7 @@ import json
 import os
 import time
 
+import jax
 import ml_collections
 import numpy as np
 from absl import app, flags, logging
@@ -37,11 +38,14 @@ from postnorm.collapse_plots import plot_loss_runs, render_collapse_figures
 from postnorm.config_args import parse_flags
 from postnorm.data import load_data
 from postnorm.data.files import write_bytes_atomic, write_json_atomic
+from postnorm.flag_lists import choice_list, integer_list
 from postnorm.json_numbers import dumps, from_text
+from postnorm.model import NORM_PLACEMENTS
 from postnorm.output_dir import make_output_dir
 from postnorm.plots import read_metrics
 from postnorm.run_record import run_once
 from postnorm.user_errors import exit_2_on_user_error
+from postnorm.validation import ConfigError, check_config
 from postnorm.workers import check_workers, run_pinned
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Base config (norm and seed are "
@@ -49,12 +53,13 @@ config_flags.DEFINE_config_file("config", "configs/default.py", "Base config (no
 flags.DEFINE_string("out_dir", None, "Directory for the runs, figures and summaries.")
 flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds; each runs with every norm.")
 flags.DEFINE_list("norms", ["post", "pre"], "Norm placements to compare.")
-flags.DEFINE_integer("steps", None, "Override train.steps.")
+flags.DEFINE_integer("steps", None, "Override train.steps.", lower_bound=1)
 flags.DEFINE_bool("thm38", True, "Measure Thm 3.8 on every run's final checkpoint.")
 flags.DEFINE_integer("train_batches", 0, "With --thm38: also the final checkpoint's loss on the "
                      "next this many training batches (not trained on); 0: not measured. Packed "
                      "windows of one document follow each other, so the batches' mean floor "
-                     "nears L_freq slowly: within about 1% at 512 (default config, seeds 0-2).")
+                     "nears L_freq slowly: within about 1% at 512 (default config, seeds 0-2).",
+                     lower_bound=0)
 flags.DEFINE_integer("workers", 1, "Train the runs in this many CPU-pinned processes.")
 FLAGS = flags.FLAGS
 THM38_NAME = "thm38.json"
@@ -72,9 +77,8 @@ def seeded_config(base: ml_collections.ConfigDict, norm: str, seed: int,
 def thm38(config: ml_collections.ConfigDict, workdir: str, train_batches: int) -> dict:
     """The run's Thm 3.8 record, measured once per final checkpoint and ``train_batches``."""
     path = os.path.join(workdir, THM38_NAME)
-    if os.path.exists(path):
-        with open(path) as f:
-            cached = from_text(json.load(f))
+    cached = _recorded_thm38(path)
+    if cached is not None:
         measured_batches = cached.get("next_train_batches", {}).get("batches", 0)
         if (cached["checkpoint_step"] == config.train.steps
                 and train_batches in (0, measured_batches)):
@@ -84,6 +88,22 @@ def thm38(config: ml_collections.ConfigDict, workdir: str, train_batches: int) -
     result["wall_s"] = time.perf_counter() - start
     write_json_atomic(path, result)
     return result
+
+
+def _recorded_thm38(path: str) -> dict | None:
+    """The Thm 3.8 record at ``path``; None when there is none, or when it cannot be read or
+    lacks its fields (it is then measured again and replaced)."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            record = from_text(json.load(f))
+        thm38_row("", record)  # every field the summary reads
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
+        logging.warning("%s is unreadable or incomplete (%s: %s); measuring it again", path,
+                        type(err).__name__, err)
+        return None
+    return record
 
 
 def train_and_measure(config: ml_collections.ConfigDict, workdir: str, measure: bool,
@@ -221,10 +241,17 @@ def main(argv: list[str]) -> None:
     check_workers(FLAGS.workers)
     use_allocator(FLAGS.config.runtime.allocator)  # may re-execute this command
     start = time.perf_counter()
+    norms = choice_list("norms", FLAGS.norms, NORM_PLACEMENTS)
+    runs = [(f"{norm}_seed{seed}", seeded_config(FLAGS.config, norm, seed, FLAGS.steps))
+            for norm in norms for seed in integer_list("seeds", FLAGS.seeds, 0)]
+    for name, config in runs:  # every run's config before anything is written
+        try:
+            check_config(config, device_count=jax.device_count(),
+                         process_count=jax.process_count())
+        except ConfigError as err:
+            raise ConfigError(f"run {name}: {err}") from err
     out_dir = make_output_dir(os.path.abspath(FLAGS.out_dir), "--out_dir")
-    fig_dir = os.path.join(out_dir, "figures")
-    runs = [(f"{norm}_seed{seed}", seeded_config(FLAGS.config, norm, int(seed), FLAGS.steps))
-            for norm in FLAGS.norms for seed in FLAGS.seeds]
+    fig_dir = make_output_dir(os.path.join(out_dir, "figures"), "--out_dir's figures")
     if FLAGS.workers > 1:
         load_data(runs[0][1].data, seed=runs[0][1].seed)  # build the shared caches once
         run_pinned(train_and_measure,
@@ -245,7 +272,7 @@ def main(argv: list[str]) -> None:
     plot_loss_runs(all_records, os.path.join(fig_dir, "loss_vs_lfreq.png"))
     wall = {"invocation_s": time.perf_counter() - start,
             "train_sum_s": float(sum(r["train_wall_s"] for r in rows))}
-    by_norm = norm_summary(rows, FLAGS.norms)
+    by_norm = norm_summary(rows, norms)
     write_json_atomic(os.path.join(out_dir, "summary.json"),
                       {"runs": rows, "by_norm": by_norm, "thm38": thm_rows, "wall": wall})
     write_bytes_atomic(os.path.join(out_dir, "summary.md"), markdown(rows, thm_rows, wall).encode())

@@ -47,6 +47,7 @@ from postnorm.allocator import use_allocator
 from postnorm.data import DataError, load_data
 from postnorm.data.errors import ShortSplitError
 from postnorm.data.files import write_json_atomic
+from postnorm.flag_lists import choice_list
 from postnorm.initializers import INIT_SCHEMES, embedding_init
 from postnorm.json_numbers import dumps
 from postnorm.model import ModelSpec
@@ -371,17 +372,14 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if FLAGS.out_dir is None:
         raise app.UsageError("--out_dir is required")
-    for values, allowed, name in ((FLAGS.norms, theory.NORM_PLACEMENTS, "norms"),
-                                  (FLAGS.inputs, INPUTS, "inputs")):
-        if not values or set(values) - set(allowed) or len(set(values)) < len(values):
-            raise app.UsageError(f"--{name}={values} must be a non-empty subset of {allowed}, "
-                                 "each named once")
+    norms = choice_list("norms", FLAGS.norms, theory.NORM_PLACEMENTS)
+    inputs = choice_list("inputs", FLAGS.inputs, INPUTS)
     make_output_dir(FLAGS.out_dir, "--out_dir")  # before the computing, not after it
     start = time.perf_counter()
     config = build_config(FLAGS.n_layers, FLAGS.seq_len, FLAGS.init)
     use_allocator(config.runtime.allocator)  # may re-execute this command
-    results, figures, amt = run(config, seeds=FLAGS.seeds, norms=FLAGS.norms,
-                                inputs=FLAGS.inputs, ablation=FLAGS.ablation,
+    results, figures, amt = run(config, seeds=FLAGS.seeds, norms=norms,
+                                inputs=inputs, ablation=FLAGS.ablation,
                                 uniform_check=FLAGS.uniform_check, s_reading=FLAGS.s_reading)
     m = config.model
     meta = {

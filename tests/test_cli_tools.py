@@ -119,6 +119,9 @@ def test_rmsnorm_vjp_checks_the_fused_gradients_and_times_both():
      "postnorm: error: --out_dir='/dev/null/x' cannot be created or written"),
     ("experiments.sweep", ["--sweep=configs/sweeps/stability.py:smoke", "--out_dir=/dev/null"],
      2, "postnorm: error: --out_dir='/dev/null' cannot be created or written (File exists)"),
+    ("experiments.batch_floors", ["--seeds="], 1, "--seeds=: give one or more values, each once"),
+    ("experiments.init_similarity", ["--out_dir=/tmp/unused", "--norms=post,post"], 1,
+     "--norms=post,post: give one or more values, each once"),
     ("experiments.collapse", ["--out_dir=/dev/null/x", "--steps=2"], 2,
      "postnorm: error: --out_dir='/dev/null/x' cannot be created or written"),
 ])
@@ -126,3 +129,29 @@ def test_bad_input_is_one_line_before_compiling(module, args, code, message):
     result = run_module(module, *args)
     assert result.returncode == code, result.stderr[-3000:]
     assert message in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args,code,message", [
+    (["--seeds=abc"], 1, "--seeds=abc: each must be an integer in [0, 2**31)"),
+    (["--seeds=0,0"], 1, "--seeds=0,0: give one or more values, each once"),
+    (["--norms=post,bogus"], 1, "--norms: 'bogus' not one of post, pre"),
+    (["--train_batches=-5"], 1, "-5 is not a non-negative integer"),
+    ([f"--config={TINY},model.d_ff=0,runtime.allocator=system"], 2,
+     "postnorm: error: run post_seed0: model.d_ff=0 is invalid: must be an integer >= 1"),
+])
+def test_collapse_refuses_bad_flags_before_writing_anything(tmp_path, args, code, message):
+    result = run_module("experiments.collapse", f"--out_dir={tmp_path / 'out'}", *args)
+    assert result.returncode == code, result.stderr[-3000:]
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_file_in_the_way_of_the_collapse_figures_is_one_line(tmp_path):
+    (tmp_path / "figures").write_text("kept")
+    result = run_module("experiments.collapse", f"--out_dir={tmp_path}", "--steps=2",
+                        f"--config={TINY},runtime.allocator=system")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert (f"postnorm: error: --out_dir's figures='{tmp_path}/figures' cannot be created or "
+            "written (File exists)") in result.stderr and "Traceback" not in result.stderr
+    assert (tmp_path / "figures").read_text() == "kept"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["figures"]

@@ -200,3 +200,41 @@ def test_the_collapse_summary_counts_stopped_runs_apart_from_the_means():
     result = subprocess.run([sys.executable, "-c", STOPPED_RUNS_CHECK], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+DAMAGED_THM38_CHECK = """
+import json, os, sys
+from configs.default import get_config
+from experiments import collapse
+
+workdir, calls = sys.argv[1], []
+point = {"loss": 3.0, "lfreq_batch": 3.0, "hidden_eps_max": 1e-6,
+         "at_point": {"max_abs_grad": 1e-7}, "control": {"max_abs_grad": 0.4}}
+bound = {"n": 64, "sequences": 8, "mean": {"eps": 1e-5}, "w_lm_spectral_norm": 12.5,
+         "bound_holds_fraction": 1.0, "min_slack": 0.2, "kl_pfreq_qbar": 0.1,
+         "lfreq_corpus": 5.0}
+
+def measure_run(config, workdir, train_batches):
+    calls.append(train_batches)
+    return {"checkpoint_step": config.train.steps, "bound": bound, "stationary_point": point}
+
+collapse.collapsed_net.measure_run = measure_run
+config, path = get_config("steps=5"), os.path.join(workdir, collapse.THM38_NAME)
+for damaged in ("{bad", '{"bound": 1}', '{"checkpoint_step": 5, "bound": {"n": 64}}'):
+    with open(path, "w") as f:
+        f.write(damaged)
+    assert collapse.thm38(config, workdir, 0)["bound"] == bound
+    with open(path) as f:
+        assert json.load(f)["bound"] == bound  # replaced by the new measurement
+assert len(calls) == 3
+assert collapse.thm38(config, workdir, 0)["bound"] == bound and len(calls) == 3  # kept
+print("ok")
+"""
+
+
+def test_a_damaged_thm38_record_is_measured_again(tmp_path):
+    """experiments/collapse.py measures Thm 3.8 again over a record it cannot read (the report
+    says to rerun it for one), and reads an intact one without measuring."""
+    result = subprocess.run([sys.executable, "-c", DAMAGED_THM38_CHECK, str(tmp_path)],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
