@@ -27,6 +27,7 @@ import dataclasses
 
 import numpy as np
 
+from postnorm.metrics import JSONL_NAME, MetricsFileError
 from postnorm.plots import layer_series
 
 
@@ -95,7 +96,9 @@ def lfreq_of(records: list[dict]) -> float:
         for record in records:
             if key in record:
                 return float(record[key])
-    raise ValueError("the metrics hold no train/lfreq or eval/lfreq record")
+    raise MetricsFileError(f"{JSONL_NAME} holds no train/lfreq or eval/lfreq record, which the "
+                           "trainer logs with every train step and eval: it was not written by "
+                           "the trainer, or was edited; restore it or train again")
 
 
 def detect_collapse(records: list[dict], rule: CollapseRule = DEFAULT_RULE) -> Collapse:

@@ -84,6 +84,16 @@ def _complete_lines(path: str) -> list[tuple[bytes, dict]]:
     return out
 
 
+def unfinished_last_line(path: str) -> int:
+    """The length in bytes of what follows ``path``'s last newline: a record being written, or
+    one a killed writer left unfinished, which the readers leave out (0: none)."""
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(size - 2**20, 0))
+        tail = f.read()
+    return len(tail) - tail.rfind(b"\n") - 1
+
+
 def read_jsonl(path: str) -> list[dict]:
     """Every complete record of a ``metrics.jsonl`` (see ``_complete_lines``); non-finite
     values, written as text, read back as floats."""

@@ -11,13 +11,19 @@ import re
 from collections import defaultdict
 
 import matplotlib
+from absl import logging
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from postnorm.data.files import replace_file  # noqa: E402
-from postnorm.metrics import JSONL_NAME, MetricsFileError, read_jsonl  # noqa: E402
+from postnorm.metrics import (  # noqa: E402
+    JSONL_NAME,
+    MetricsFileError,
+    read_jsonl,
+    unfinished_last_line,
+)
 
 HEATMAPS = {
     "tsim": ("tsim", "token similarity tsim(X_k)", False),
@@ -47,6 +53,9 @@ def read_metrics(workdir: str) -> list[dict]:
     if not any("train/loss" in record for record in records):
         raise MetricsFileError(f"{path} holds no logged train step yet: rerun this once the run "
                                "has logged one (every train.log_every steps)")
+    if unfinished := unfinished_last_line(path):
+        logging.warning("%s ends in an unfinished line of %d bytes (a record being written, or "
+                        "one its writer was stopped in), left out", path, unfinished)
     return records
 
 

@@ -28,6 +28,7 @@ from postnorm.collapse_plots import render_collapse_figures
 from postnorm.data.files import replace_file
 from postnorm.forensics import DUMP_PATTERN
 from postnorm.json_numbers import from_text
+from postnorm.metrics import JSONL_NAME, unfinished_last_line
 from postnorm.plots import layer_series, plot_heatmaps, read_metrics
 from postnorm.run_config import config_path, read_run_config
 
@@ -88,6 +89,10 @@ def run_warnings(workdir: str, records: list[dict], collapse: Collapse | None,
     skipped = [r["train/skipped_steps"] for r in records if "train/skipped_steps" in r]
     if skipped and skipped[-1] > 0:
         warnings.append(f"{int(skipped[-1])} non-finite steps were skipped (train.nonfinite=skip).")
+    if unfinished := unfinished_last_line(os.path.join(workdir, JSONL_NAME)):
+        warnings.append(f"{JSONL_NAME} ends in an unfinished line of {unfinished} bytes (a record "
+                        "being written, or one its writer was stopped in): it is left out, so "
+                        "this report may miss the last logged step or eval.")
     for dump in sorted(glob.glob(os.path.join(workdir, DUMP_PATTERN))):
         warnings.append(f"Non-finite step dump present: {os.path.basename(dump)}.")
     series = layer_series(records)
@@ -101,7 +106,7 @@ def run_warnings(workdir: str, records: list[dict], collapse: Collapse | None,
                 f"between steps {steps_S[0]} and {steps_S[-1]}.")
     total = config.get("train", {}).get("steps")
     last = max((r["step"] for r in records), default=0)
-    if total is not None and last < total:
+    if isinstance(total, int) and last < total:
         warnings.append(f"The run is incomplete: metrics end at step {last} of {total}.")
     return warnings
 

@@ -20,6 +20,7 @@ import ml_collections
 from postnorm.data.files import write_json_atomic
 
 CONFIG_NAME = "config.json"
+CONFIG_SECTIONS = ("model", "data", "opt", "train", "diag", "runtime", "mesh")
 
 # Sections that choose how the process runs, not what it computes: left out of a run's
 # identity, so changing them (or a run recorded before they existed) is the same run.
@@ -108,9 +109,12 @@ def read_run_config(workdir: str) -> dict | None:
         raise WorkdirConfigError(
             f"{path} cannot be read ({err}): restore it, or move the run aside and use a "
             "new --workdir") from err
-    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+    if (not isinstance(data, dict) or not isinstance(data.get("model"), dict)
+            or not all(isinstance(value, dict) for key, value in data.items()
+                       if key in CONFIG_SECTIONS)):
         raise WorkdirConfigError(f"{path} does not hold a config (an object with a 'model' "
-                                 "section): restore it, or move the run aside and use a new "
+                                 f"section, and each of {', '.join(CONFIG_SECTIONS)} it has an "
+                                 "object): restore it, or move the run aside and use a new "
                                  "--workdir")
     return data
 

@@ -51,6 +51,10 @@ def summarize(workdir: str, early_layers: int = 4, tail: int = 3) -> dict:
 
 
 def main(argv: list[str]) -> None:
+    if len(argv) < 2:
+        print(f"usage: python -m postnorm.run_summary WORKDIR [WORKDIR ...]\n{__doc__}",
+              file=sys.stderr)
+        sys.exit(2)
     for workdir in argv[1:]:
         try:
             print(dumps(summarize(workdir), indent=2))

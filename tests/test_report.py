@@ -6,10 +6,13 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from configs.default import get_config
 from postnorm import forensics, report
-from postnorm.metrics import layer_key
+from postnorm.metrics import MetricsFileError, layer_key
 from postnorm.plots import render_run_plots
+from postnorm.run_config import WorkdirConfigError
 
 N_LAYERS, STEPS = 6, list(range(10, 101, 10))
 FIGURES = ["loss_vs_lfreq", "tsim", "layers", "dldx", "heatmap_tsim", "heatmap_dldx",
@@ -133,3 +136,37 @@ def test_dumps_of_an_earlier_attempt_are_set_aside_by_a_fresh_start(tmp_path):
             ("nonfinite_step_3.json", "nonfinite_step_3-1.json")] == [0, 1]
     write_run(tmp_path, skipped=0)
     assert "Non-finite step dump" not in report.build_report(str(tmp_path))
+
+
+def test_an_unfinished_last_line_is_left_out_and_warned_about(tmp_path):
+    """A record cut short (its writer stopped mid-line) is not read, and the report says so: it
+    may be the last eval."""
+    write_run(tmp_path)
+    whole = (tmp_path / "metrics.jsonl").read_bytes()
+    assert "unfinished line" not in report.build_report(str(tmp_path))
+    (tmp_path / "metrics.jsonl").write_bytes(whole[:-20])
+    text = report.build_report(str(tmp_path))
+    assert "metrics.jsonl ends in an unfinished line of " in text
+    cut = len(whole[:-20]) - whole[:-20].rfind(b"\n") - 1
+    assert f"unfinished line of {cut} bytes" in text
+    assert "<th>final eval loss</th><td>–</td>" in text  # the step-100 record was the cut one
+
+
+def test_a_config_or_metrics_file_of_the_wrong_shape_is_a_clear_error(tmp_path):
+    write_run(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["train"]["steps"] = "100"  # not a number: the completeness check is skipped
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert "The run is incomplete" not in report.build_report(str(tmp_path))
+    config["train"] = None
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(WorkdirConfigError, match="config.json does not hold a config .* each "
+                       "of model, data, opt, train, diag, runtime, mesh it has an object"):
+        report.build_report(str(tmp_path))
+    write_run(tmp_path)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    records = [{k: v for k, v in json.loads(line).items() if not k.endswith("lfreq")}
+               for line in lines]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(MetricsFileError, match="metrics.jsonl holds no train/lfreq or eval/lfreq"):
+        report.build_report(str(tmp_path))
