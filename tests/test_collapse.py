@@ -55,6 +55,9 @@ def test_collapse_step_window_and_gradient_ratios():
     assert found.pre_window_step == 10  # the last diagnostic step before the onset
     np.testing.assert_allclose(found.grad_ratio_early, dldx[:, 1] / dldx[:, 3])
     np.testing.assert_allclose(found.grad_ratio_last, dldx[3, 1] / dldx[3, 3])
+    first_three = detect_collapse(records(STEPS, TSIM, loss, dldx),
+                                  CollapseRule(loss_smoothing=1, early_layers=3))
+    np.testing.assert_allclose(first_three.grad_ratio_early, dldx[:3, 1] / dldx[:3, 3])
     np.testing.assert_allclose(found.fraction_collapsed, [0, 0, 0.25, 0.5, 0.5, 0.5])
     assert found.meets_criterion == [False, False, False, True, True, True]
     assert found.to_json()["window"] == (20, 30)

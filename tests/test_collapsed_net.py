@@ -4,6 +4,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from postnorm import collapsed_net, theory_mc
@@ -72,8 +73,9 @@ def numpy_bound(hidden_NxD, logits_NxV, targets_N, w_VxD) -> dict[str, float]:
     lfreq = -np.sum(p_hat[p_hat > 0] * np.log(p_hat[p_hat > 0]))
     eps = np.sqrt(np.sum((hidden_NxD - hidden_NxD.mean(0)) ** 2))
     sigma_max = np.linalg.svd(w_VxD, compute_uv=False)[0]
+    tsim = np.sum(hidden_NxD.sum(0) ** 2) / (N * np.sum(hidden_NxD**2))
     return {"loss": loss, "lfreq_seq": lfreq, "eps": eps,
-            "bound": lfreq - 2 / np.sqrt(N) * sigma_max * eps}
+            "bound": lfreq - 2 / np.sqrt(N) * sigma_max * eps, "tsim": tsim}
 
 
 @pytest.mark.parametrize("norm", ["post", "pre"])
@@ -91,9 +93,14 @@ def test_bound_matches_numpy_and_holds(norm):
             expected.append(numpy_bound(hidden[i], logits[i], b["targets"][i], w_VxD))
         probs = np.exp(logits - logits.max(-1, keepdims=True))
         q_sum += (probs / probs.sum(-1, keepdims=True)).sum((0, 1))
-    for key in ("loss", "lfreq_seq", "eps", "bound"):
+    for key in ("loss", "lfreq_seq", "eps", "bound", "tsim"):
         np.testing.assert_allclose(out["per_sequence"][key], [e[key] for e in expected],
                                    rtol=1e-5, err_msg=key)
+        np.testing.assert_allclose(out["mean"][key], np.mean([e[key] for e in expected]),
+                                   rtol=1e-5, err_msg=key)
+    assert (out["n"], out["sequences"]) == (N, 8)
+    np.testing.assert_allclose(out["w_lm_spectral_norm"],
+                               np.linalg.svd(w_VxD, compute_uv=False)[0], rtol=1e-10)
     assert out["bound_holds_fraction"] == 1.0 and out["min_slack"] > 0
     p, q = counts_V / counts_V.sum(), q_sum / q_sum.sum()
     np.testing.assert_allclose(out["kl_pfreq_qbar"], np.sum(p * np.log(p / q)), rtol=1e-6)
@@ -129,10 +136,27 @@ def test_collapsed_prediction_kl_and_entropy_of_q_bar_against_numpy():
     np.testing.assert_allclose(out["entropy_qbar"], -np.sum(q_V * np.log(q_V)), rtol=1e-6)
 
 
-@pytest.mark.parametrize("norm", ["post", "pre"])
-def test_constructed_pfreq_point_is_collapsed_at_lfreq_and_stationary(norm):
+def numpy_pfreq_point(spec: ModelSpec, params: dict, targets_BxL: np.ndarray,
+                      token_id: int) -> dict:
+    """The parameters at the constructed point, from its definition: W_lm = x_bar log(p_hat)^T /
+    ||x_bar||^2, x_bar the mean final hidden state of a sequence of ``token_id`` only (an absent
+    token's p_hat: ``ABSENT_PROB``)."""
+    tokens = np.full_like(targets_BxL, token_id)
+    hidden, _ = collapsed_net.hidden_and_logits(spec)(params, tokens)
+    x_bar = np.asarray(hidden, np.float64).reshape(-1, spec.d_model).mean(0)
+    counts = np.bincount(targets_BxL.ravel(), minlength=spec.vocab_size)
+    log_p = np.log(np.maximum(counts / counts.sum(), collapsed_net.ABSENT_PROB))
+    return {**params, "lm_head": jnp.asarray(np.outer(x_bar, log_p) / (x_bar @ x_bar),
+                                             jnp.float32)}
+
+
+@pytest.mark.parametrize("norm,targets_from", [("post", VOCAB), ("pre", VOCAB), ("post", 5)])
+def test_constructed_pfreq_point_is_collapsed_at_lfreq_and_stationary(norm, targets_from):
+    """Targets from all ``VOCAB`` tokens, or from 5 of them (most of the vocabulary absent from
+    the batch, as in a real batch)."""
     spec, params = tiny(norm)
     b = batch(3, size=2)
+    b["targets"] = b["targets"] % targets_from
     out = collapsed_net.stationary_point(spec, params, b["inputs"], b["targets"], token_id=5)
     counts = np.bincount(b["targets"].ravel(), minlength=VOCAB)
     p = counts[counts > 0] / counts.sum()
@@ -143,6 +167,18 @@ def test_constructed_pfreq_point_is_collapsed_at_lfreq_and_stationary(norm):
     assert out["control"]["max_abs_grad"] > 1e-2
     assert len(out["at_point"]["grad_norm_attn"]) == spec.n_layers
     assert max(out["at_point"]["grad_norm_ffn"]) < 1e-5 < min(out["control"]["grad_norm_ffn"])
+    point = numpy_pfreq_point(spec, params, b["targets"], token_id=5)
+
+    def loss(p):
+        logits = Decoder(spec).apply({"params": p}, b["inputs"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"]).mean()
+
+    control_loss, grads = jax.value_and_grad(loss)(point)
+    np.testing.assert_allclose(out["control_loss"], control_loss, rtol=1e-5)
+    for name in ("lm_head", "embedding"):
+        np.testing.assert_allclose(out["control"][f"grad_norm_{name}"],
+                                   np.linalg.norm(np.asarray(grads[name], np.float64)),
+                                   rtol=1e-4, err_msg=name)
 
 
 def test_constructed_point_refuses_a_tied_head():

@@ -132,10 +132,12 @@ def test_frequency_floor_is_the_unigram_cross_entropy_of_the_targets(corpus_dir,
 
 
 def test_a_damaged_lfreq_cache_is_computed_again(corpus_dir, tmp_path):
+    """Also one whose fingerprint is another dataset's."""
     cfg = make_config(corpus_dir, tmp_path, tokenizer="byte")
     first = load_data(cfg)
     cache = next(Path(first.info["path"]).glob("lfreq_*_all.json"))
-    for text in ('{"lfreq": 3.', '{"lfreq": 3.0}', "[]"):
+    other_data = json.dumps({"fingerprint": "0" * 64, "lfreq": 3.0, "counts": [1, 2]})
+    for text in ('{"lfreq": 3.', '{"lfreq": 3.0}', "[]", other_data):
         cache.write_text(text)
         again = load_data(cfg)
         assert again.lfreq == first.lfreq

@@ -303,6 +303,22 @@ def test_amounts_against_the_models_initialisers(init):
                       expected)
 
 
+@pytest.mark.parametrize("init", INIT_SCHEMES)
+def test_the_v_only_reading_of_s_is_the_value_projections_energy_gain(init):
+    """s_reading="v_only": s = E||x W_V||^2/||x||^2 over fresh inits of the model's attention,
+    W_O left out (theory.md §1a)."""
+    d, draws = 64, 96
+    s = theory.amounts(d, 160, init, s_reading="v_only").s
+    x_1x4xD = jnp.broadcast_to(jax.random.normal(jax.random.key(0), (1, 1, d)), (1, 4, d))
+    attention = CausalSelfAttention(4, init, "none", 1e4, jnp.float32)
+
+    def ratio(key):
+        w_v_DxD = nn.unbox(attention.init(key, x_1x4xD))["params"]["w_v"]
+        return jnp.sum((x_1x4xD[0, 0] @ w_v_DxD) ** 2) / jnp.sum(x_1x4xD[0, 0] ** 2)
+    ratios = np.asarray(jax.vmap(ratio)(jax.random.split(jax.random.key(2), draws)), np.float64)
+    assert_within(theory_mc.MCEstimate(ratios.mean(), ratios.std() / np.sqrt(draws)), s)
+
+
 # Thm 3.6 ---------------------------------------------------------------------------------------
 
 def test_contraction_is_the_largest_singular_value_of_the_rmsnorm_jacobian():
