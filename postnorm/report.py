@@ -102,7 +102,7 @@ def run_warnings(workdir: str, records: list[dict], collapse: Collapse | None,
         if ratio.min() > VANISHING_FACTOR:
             warnings.append(
                 f"Gradient vanishing in the early layers: ||dL/dX|| at layers 0-"
-                f"{rule.early_layers - 1} fell by {ratio.min():.3g}x to {ratio.max():.3g}x "
+                f"{len(ratio) - 1} fell by {ratio.min():.3g}x to {ratio.max():.3g}x "
                 f"between steps {steps_S[0]} and {steps_S[-1]}.")
     total = config.get("train", {}).get("steps")
     last = max((r["step"] for r in records), default=0)
@@ -139,7 +139,8 @@ def build_report(workdir: str, fallback_config: dict | None = None,
                  rule: CollapseRule = DEFAULT_RULE) -> str:
     """The report's HTML, with the run's ``config.json`` (else ``fallback_config``)."""
     config = read_run_config(workdir)
-    if config is None:
+    recorded = config is not None
+    if not recorded:
         if fallback_config is None:
             raise FileNotFoundError(f"{config_path(workdir)} does not exist and no config "
                                     "was given")
@@ -177,9 +178,13 @@ def build_report(workdir: str, fallback_config: dict | None = None,
                     ("transition window", collapse.window),
                     (f"first step with >= {rule.layer_fraction:.0%} of layers at tsim >= "
                      f"{rule.tsim_threshold}", collapse.similar_layers_step),
-                    ("||dL/dX|| ratio across the window, layers 0-3",
+                    ("||dL/dX|| ratio across the window, layers 0-"
+                     f"{min(rule.early_layers, len(series['tsim_attn'][1])) - 1}",
                      collapse.grad_ratio_early), ("same, last layer", collapse.grad_ratio_last)]
     warnings = run_warnings(workdir, records, collapse, config, rule)
+    if not recorded:
+        warnings.insert(0, f"{config_path(workdir)} does not exist: the config shown is the one "
+                        "--config gave, not necessarily the run's.")
     warn_html = ("".join(f'<p class="warn">{html.escape(w)}</p>' for w in warnings)
                  or '<p class="ok">No warnings.</p>')
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>postnorm run report"

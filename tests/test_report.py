@@ -19,25 +19,25 @@ FIGURES = ["loss_vs_lfreq", "tsim", "layers", "dldx", "heatmap_tsim", "heatmap_d
            "heatmap_contraction", "heatmap_y_rms"]
 
 
-def write_run(workdir, collapse: bool = True, skipped: int = 2) -> None:
+def write_run(workdir, collapse: bool = True, skipped: int = 2, n_layers: int = N_LAYERS) -> None:
     """A Post-Norm-like run: the top layer's tsim -> 1 from step 20, the upper half's and the
     loss -> L_freq = 5 from step 40, early gradients falling 1e4x; ``skipped`` non-finite steps
     skipped by the end."""
-    config = get_config(f"layers={N_LAYERS},steps=100")
+    config = get_config(f"layers={n_layers},steps=100")
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
     lines = []
     for col, step in enumerate([1] + STEPS):
         late = collapse and step >= 40
         record = {"step": step, "train/loss": 5.1 if late else 8.0 - 0.05 * step,
                   "train/lfreq": 5.0, "train/skipped_steps": skipped if step == 100 else 0}
-        for layer in range(N_LAYERS):
-            top = collapse and step >= 20 and layer == N_LAYERS - 1
-            tsim = 0.999 if top or (late and layer >= N_LAYERS // 2) else 0.1 + 0.05 * layer
+        for layer in range(n_layers):
+            top = collapse and step >= 20 and layer == n_layers - 1
+            tsim = 0.999 if top or (late and layer >= n_layers // 2) else 0.1 + 0.05 * layer
             values = {"tsim": tsim, "dldx_norm": 10.0 ** (-col * 0.4 * (layer < 4)),
                       "c_mean": 1 - 0.02 * col, "y_rms_mean": 1 + 0.03 * col}
             for name, value in values.items():
                 for kind in ("attn", "ffn"):
-                    record[layer_key(f"diag/{name}_{kind}", layer, N_LAYERS)] = value
+                    record[layer_key(f"diag/{name}_{kind}", layer, n_layers)] = value
         if step == 100:
             record.update({"eval/loss": 5.2, "eval/lfreq": 5.0, "eval/freq_floor": 4.0})
         lines.append(json.dumps(record))
@@ -170,3 +170,17 @@ def test_a_config_or_metrics_file_of_the_wrong_shape_is_a_clear_error(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     with pytest.raises(MetricsFileError, match="metrics.jsonl holds no train/lfreq or eval/lfreq"):
         report.build_report(str(tmp_path))
+
+
+def test_early_layer_labels_and_a_config_given_on_the_command_line(tmp_path):
+    """With 2 layers the early layers are 0-1; a workdir without config.json is reported with
+    the config given, and says so."""
+    write_run(tmp_path, n_layers=2)
+    text = report.build_report(str(tmp_path))
+    assert "ratio across the window, layers 0-1</th>" in text
+    assert "at layers 0-1 fell by" in text and "layers 0-3" not in text
+    assert "does not exist: the config shown" not in text
+    (tmp_path / "config.json").unlink()
+    text = report.build_report(str(tmp_path), fallback_config=get_config().to_dict())
+    assert f"{tmp_path}/config.json does not exist: the config shown is the one --config gave" \
+        in text
