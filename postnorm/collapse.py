@@ -1,4 +1,4 @@
-"""Collapse detection from a run's ``metrics.jsonl`` records (theory.md §4, §5).
+"""Collapse detection from a run's ``metrics.jsonl`` records (docs/MATH.md §4, §5).
 
 The rule (``CollapseRule``; defaults in brackets), evaluated on the diagnostic steps only:
 

@@ -1,4 +1,4 @@
-"""Theorem 3.8 measured on a trained network (theory.md §5).
+"""Theorem 3.8 measured on a trained network (docs/MATH.md §5).
 
 * (i) per sequence: X_H = the final hidden states (the LM head's input: the last layer's output
   in Post-Norm, the final norm's output in Pre-Norm), epsilon = ||X_H - Pi_1 X_H||_F, the
@@ -69,7 +69,7 @@ def hidden_and_logits(spec: ModelSpec):
 
 
 def lm_head_matrix(params: dict, spec: ModelSpec) -> np.ndarray:
-    """W_lm as theory.md writes it, [V, D] with logits = W_lm x (tied heads: E / sqrt(d))."""
+    """W_lm as docs/MATH.md §5 writes it, [V, D] with logits = W_lm x (tied heads: E / sqrt(d))."""
     if spec.tie_embeddings:
         return np.asarray(params["embedding"], np.float64) / np.sqrt(spec.d_model)
     return np.asarray(params["lm_head"], np.float64).T

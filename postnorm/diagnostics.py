@@ -1,7 +1,7 @@
 """Forward statistics of the residual stream, computed inside the diagnostic step.
 
 All statistics are reduced in float32 and detached from the gradient. Definitions
-(theory.md §0, §4):
+(docs/MATH.md §0, §4):
 
 * tsim(X) = ||sum_i x_i||^2 / (n sum_i ||x_i||^2) per sequence, averaged over the batch.
 * RMSNorm contraction c = alpha / r(y) with r(y) = sqrt(||y||^2/d + eps), per token, where y is

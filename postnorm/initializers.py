@@ -1,7 +1,7 @@
 """Weight initialisation schemes.
 
 Every matrix is stored as ``[fan_in, fan_out]`` and drawn i.i.d. with zero mean. The entry
-variance of each scheme (theory.md §2e) is
+variance of each scheme (docs/MATH.md §2e) is
 
 =================  =====================================  ==========================================
 scheme             distribution                           entry variance

@@ -131,7 +131,7 @@ def _thm38_section(record: dict) -> str:
                  (f"{label}: loss / L_freq", fresh["loss_over_lfreq"]),
                  (f"{label}: loss / floor", fresh["loss_over_floor"])]
     return ("<h2>Theorem 3.8 on the final checkpoint</h2><p>eps = ||X_H - Pi_1 X_H||_F per "
-            "sequence; bound = L_freq(p_hat) - (2/sqrt(n)) ||W_lm||_2 eps (theory.md §5).</p>"
+            "sequence; bound = L_freq(p_hat) - (2/sqrt(n)) ||W_lm||_2 eps (docs/MATH.md §5).</p>"
             + _table(rows))
 
 

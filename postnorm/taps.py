@@ -2,7 +2,7 @@
 
 ``tap(x, probe)`` is the identity in the forward pass. Its backward pass returns ``g``
 unchanged as the cotangent of ``x`` and, as the cotangent of the small zero ``probe``, the
-statistics of ``g`` (theory.md §4), summed over the batch:
+statistics of ``g`` (docs/MATH.md §4), summed over the batch:
 
 * ``grad_sq``   ||g||_F^2
 * ``mean_sq``   ||Pi_1 g||_F^2, the token-mean component (per sequence)

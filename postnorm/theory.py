@@ -1,4 +1,4 @@
-"""Closed forms of the paper's theorems and the depth recursions built on them (theory.md).
+"""Closed forms of the paper's theorems and the depth recursions built on them (docs/MATH.md).
 
 Everything is numpy, float64 and vectorised over array arguments.
 
@@ -180,7 +180,7 @@ class Amounts:
 def amounts(d_model: int, d_ff: int, init: str, s_reading: str = "vo") -> Amounts:
     """s, xi and a of a model with width ``d_model``, FFN width ``d_ff`` and init scheme ``init``.
 
-    ``s_reading`` (theory.md §1a): ``"vo"`` (default) reads the paper's sigma_W^2 as the entry
+    ``s_reading`` (docs/MATH.md §1a): ``"vo"`` (default) reads the paper's sigma_W^2 as the entry
     variance of W_VO = W_V W_O, giving s = d^2 sigma_V^2 sigma_O^2, the branch energy gain of the
     model's separate W_V and W_O; ``"v_only"`` reads it as the variance of W_V, s = d sigma_V^2.
     """
@@ -290,7 +290,7 @@ class MeanFieldTrace:
 
 def mean_field_recursion(g0_NxN: np.ndarray, n_layers: int, amt: Amounts,
                          norm: str) -> MeanFieldTrace:
-    """The mean-field Gram recursion (theory.md §3) from the input Gram ``g0_NxN`` (units of d).
+    """The mean-field Gram recursion (docs/MATH.md §3) from the input Gram ``g0_NxN`` (units of d).
 
     Propagates the full expected Gram with uniform causal attention, exact per-row RMSNorm and
     the FFN kernel applied elementwise, without the EC closure.

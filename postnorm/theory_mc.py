@@ -1,9 +1,9 @@
 """Monte Carlo validators of ``postnorm.theory``: each samples the exact setting of a theorem.
 
-* ``ec_input``: equicorrelated inputs (theory.md §0, §1d).
+* ``ec_input``: equicorrelated inputs (docs/MATH.md §0, §1d).
 * ``mc_delta_attn_uniform`` / ``mc_delta_attn_softmax``: Thm 3.2 under prefix averaging and under
   the model's real softmax attention (``postnorm.layers.CausalSelfAttention``).
-* ``mc_delta_ffn``: Thm 3.4 with the model's ``SwiGLU`` (theory.md §2d).
+* ``mc_delta_ffn``: Thm 3.4 with the model's ``SwiGLU`` (docs/MATH.md §2d).
 * ``mc_gate_kernel``: the gate kernel m(rho; a) by sampling.
 * ``vjp_contraction``: Thm 3.6's c through ``jax.vjp`` of the model's ``RMSNorm``.
 * ``LayerStack`` / ``stack_statistics``: the model's scanned layer stack run on a given residual
@@ -45,7 +45,7 @@ class MCEstimate:
 
 
 def ec_input(rng: np.random.Generator, n: int, d: int, t: float) -> np.ndarray:
-    """Exact EC input with tsim t and rows of squared norm d: X = 1 mu^T + Z (theory.md §0).
+    """Exact EC input with tsim t and rows of squared norm d: X = 1 mu^T + Z (docs/MATH.md §0).
 
     mu and the rows of Z are mutually orthogonal (a random orthonormal frame), with
     ||mu||^2 = rho d and ||z_i||^2 = (1 - rho) d, so G = d[(1 - rho) I + rho J]. Needs d > n.
@@ -141,7 +141,7 @@ def mc_delta_attn_softmax(seed: int, n: int, d: int, t: float, n_heads: int, ini
 
 def mc_delta_ffn(seed: int, n: int, d: int, d_ff: int, t: float, init: str,
                  pairs: int) -> MCEstimate:
-    """Thm 3.4's setting (theory.md §2d): Y = X + SwiGLU(X), exact EC X with RMS-1 rows.
+    """Thm 3.4's setting (docs/MATH.md §2d): Y = X + SwiGLU(X), exact EC X with RMS-1 rows.
 
     W_gate, W_up, W_down are Gaussian with the entry variances of ``init``; pairs use +W_down
     and -W_down.

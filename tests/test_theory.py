@@ -306,7 +306,7 @@ def test_amounts_against_the_models_initialisers(init):
 @pytest.mark.parametrize("init", INIT_SCHEMES)
 def test_the_v_only_reading_of_s_is_the_value_projections_energy_gain(init):
     """s_reading="v_only": s = E||x W_V||^2/||x||^2 over fresh inits of the model's attention,
-    W_O left out (theory.md §1a)."""
+    W_O left out (docs/MATH.md §1a)."""
     d, draws = 64, 96
     s = theory.amounts(d, 160, init, s_reading="v_only").s
     x_1x4xD = jnp.broadcast_to(jax.random.normal(jax.random.key(0), (1, 1, d)), (1, 4, d))
