@@ -40,6 +40,7 @@ from postnorm.forensics import set_aside_dumps, write_nonfinite_dump
 from postnorm.metrics import (
     JSONL_NAME,
     MetricsFileError,
+    MetricsWriteError,
     MetricWriter,
     Progress,
     read_jsonl,
@@ -432,9 +433,17 @@ class _Reporter:
             self._skipped = skipped
         if device_diag is not None:
             scalars.update(flatten_diagnostics(jax.device_get(device_diag)))
-        self.writer.write_scalars(step, scalars)
-        self.writer.flush()
+        self._write(step, scalars)
         self.final.update(scalars)
+
+    def _write(self, step: int, scalars: dict[str, float]) -> None:
+        """Write and flush ``scalars`` (process 0 writes); when that fails, every process
+        raises, so none is left waiting for it in the next step's collective."""
+        def write() -> None:
+            self.writer.write_scalars(step, scalars)
+            self.writer.flush()
+        _stop_together(write, lambda: MetricsWriteError(
+            "process 0 could not write the metrics: its log says why"))
 
     def close(self) -> None:
         if self.writer is not None:
@@ -448,7 +457,7 @@ class _Reporter:
         scalars = {"eval/loss": eval_loss, "eval/lfreq": self.lfreq,
                    "eval/loss_minus_lfreq": eval_loss - self.lfreq,
                    "eval/freq_floor": eval_floor, "eval/loss_over_floor": eval_loss / eval_floor}
-        self.writer.write_scalars(step, scalars)
+        self._write(step, scalars)
         self.final.update(scalars)
 
 

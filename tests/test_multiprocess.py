@@ -198,3 +198,33 @@ def test_a_data_error_on_process_0_stops_both_processes_with_exit_2(tmp_path, tm
     assert f"postnorm: error: {corpus}/binary.txt (matched by data.text_files) is not UTF-8" \
         in texts[0]
     assert "postnorm: error: another process could not load the data" in texts[1]
+
+
+def test_a_metrics_write_failing_on_process_0_stops_both_processes_with_exit_2(
+        tmp_path, tmp_path_factory):
+    """Only process 0 writes the metrics; when its disk fills mid-run, process 1 must stop too
+    rather than wait for it in the next step's collective."""
+    corpus = write_corpus(tmp_path / "corpus", num_docs=80)
+    flag = config_flag(corpus, tmp_path / "tfds", **{**FIELDS, "diag__every": 1})
+    workdir = tmp_path / "run"
+    (workdir / "tensorboard").mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs",
+                              str(workdir / "tensorboard")], capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()}); needs root")
+    logs, processes = [tmp_path / f"process_{i}.txt" for i in range(2)], []
+    try:
+        processes = _launch(flag, workdir, jax_cache_dir(tmp_path_factory), logs)
+        codes = [p.wait(timeout=240) for p in processes]
+    finally:
+        for process in processes:  # hung in a collective: stopped, so the tmpfs can go
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        subprocess.run(["umount", str(workdir / "tensorboard")], check=True)
+    texts = [log.read_text() for log in logs]
+    assert codes == [2, 2], [t[-2000:] for t in texts]
+    assert f"postnorm: error: Writing {workdir}/tensorboard/" in texts[0]
+    assert "No space left on device" in texts[0]
+    assert ("postnorm: error: process 0 could not write the metrics: its log says why"
+            in texts[1])
