@@ -36,7 +36,7 @@ from postnorm.allocator import use_allocator
 from postnorm.collapse import Collapse, detect_collapse
 from postnorm.collapse_plots import plot_loss_runs, render_collapse_figures
 from postnorm.config_args import parse_flags
-from postnorm.data import load_data
+from postnorm.data import DataError, load_data
 from postnorm.data.files import write_bytes_atomic, write_json_atomic
 from postnorm.flag_lists import choice_list, integer_list
 from postnorm.json_numbers import dumps, from_text
@@ -98,7 +98,7 @@ def _recorded_thm38(path: str) -> dict | None:
     try:
         with open(path) as f:
             record = from_text(json.load(f))
-        thm38_row("", record)  # every field the summary reads
+        markdown([], [thm38_row("", record)], {"invocation_s": 0.0, "train_sum_s": 0.0})
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as err:
         logging.warning("%s is unreadable or incomplete (%s: %s); measuring it again", path,
                         type(err).__name__, err)
@@ -242,14 +242,15 @@ def main(argv: list[str]) -> None:
     use_allocator(FLAGS.config.runtime.allocator)  # may re-execute this command
     start = time.perf_counter()
     norms = choice_list("norms", FLAGS.norms, NORM_PLACEMENTS)
+    seeds = integer_list("seeds", FLAGS.seeds, 0)
     runs = [(f"{norm}_seed{seed}", seeded_config(FLAGS.config, norm, seed, FLAGS.steps))
-            for norm in norms for seed in integer_list("seeds", FLAGS.seeds, 0)]
+            for norm in norms for seed in seeds]
+    devices = jax.device_count()
     for name, config in runs:  # every run's config before anything is written
         try:
-            check_config(config, device_count=jax.device_count(),
-                         process_count=jax.process_count())
-        except ConfigError as err:
-            raise ConfigError(f"run {name}: {err}") from err
+            check_config(config, device_count=devices, process_count=jax.process_count())
+        except (ConfigError, DataError) as err:
+            raise type(err)(f"run {name}: {err}") from err
     out_dir = make_output_dir(os.path.abspath(FLAGS.out_dir), "--out_dir")
     fig_dir = make_output_dir(os.path.join(out_dir, "figures"), "--out_dir's figures")
     if FLAGS.workers > 1:

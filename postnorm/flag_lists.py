@@ -6,8 +6,9 @@ from collections.abc import Sequence
 from absl import app
 
 
-def _nonempty_distinct(name: str, values: Sequence[str]) -> None:
-    if not values or len(set(values)) < len(values):
+def _nonempty_distinct(name: str, values: Sequence[str], keys: Sequence[object]) -> None:
+    """``values`` (compared as ``keys``) are one or more, none repeated."""
+    if not values or len(set(keys)) < len(keys):
         raise app.UsageError(f"--{name}={','.join(values)}: give one or more values, each once")
 
 
@@ -17,7 +18,7 @@ def integer_list(name: str, values: Sequence[str], minimum: int) -> list[int]:
     if not all(re.fullmatch(r"-?[0-9]+", v) and minimum <= int(v) < 2**31 for v in values):
         raise app.UsageError(f"--{name}={','.join(values)}: each must be an integer in "
                              f"[{minimum}, 2**31)")
-    _nonempty_distinct(name, [str(int(v)) for v in values])
+    _nonempty_distinct(name, values, [int(v) for v in values])
     return [int(v) for v in values]
 
 
@@ -25,7 +26,7 @@ def choice_list(name: str, values: Sequence[str], allowed: Sequence[str]) -> lis
     """``values``, non-empty, distinct and each one of ``allowed``; a ``UsageError`` naming the
     flag otherwise."""
     if unknown := [v for v in values if v not in allowed]:
-        raise app.UsageError(f"--{name}: {', '.join(map(repr, unknown))} not one of "
+        raise app.UsageError(f"--{name}: {', '.join(map(repr, unknown))} is not one of "
                              f"{', '.join(allowed)}")
-    _nonempty_distinct(name, values)
+    _nonempty_distinct(name, values, values)
     return list(values)

@@ -88,10 +88,14 @@ def unfinished_last_line(path: str) -> int:
     """The length in bytes of what follows ``path``'s last newline: a record being written, or
     one a killed writer left unfinished, which the readers leave out (0: none)."""
     with open(path, "rb") as f:
-        size = f.seek(0, os.SEEK_END)
-        f.seek(max(size - 2**20, 0))
-        tail = f.read()
-    return len(tail) - tail.rfind(b"\n") - 1
+        end = start = f.seek(0, os.SEEK_END)
+        while start > 0:  # back a block at a time until a newline
+            start = max(start - 2**16, 0)
+            f.seek(start)
+            newline = f.read(end - start).rfind(b"\n")
+            if newline >= 0:
+                return end - start - newline - 1
+    return end
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -323,8 +323,9 @@ def rmsnorm_contraction(y_D: np.ndarray, alpha: float = 1.0, eps: float = 0.0) -
     gain is refused: the diagnostics report its RMS and max (``postnorm.diagnostics``).
     """
     if np.ndim(alpha) != 0:
-        raise ValueError("alpha must be a scalar gain; for a vector gain c lies between "
-                         "rms(alpha) / r and max|alpha| / r (the diagnostics' c and c_bound)")
+        raise ValueError("alpha must be a scalar gain; for a vector gain the spectral norm is "
+                         "at most max|alpha| / r (the diagnostics' c_bound), and the "
+                         "diagnostics' c puts rms(alpha) in place of the scalar gain")
     y = np.asarray(y_D, np.float64)
     return abs(float(alpha)) / np.sqrt(np.mean(y * y, -1) + eps)
 

@@ -213,7 +213,9 @@ from experiments import collapse
 workdir, calls = sys.argv[1], []
 point = {"loss": 3.0, "lfreq_batch": 3.0, "hidden_eps_max": 1e-6,
          "at_point": {"max_abs_grad": 1e-7}, "control": {"max_abs_grad": 0.4}}
-bound = {"n": 64, "sequences": 8, "mean": {"eps": 1e-5}, "w_lm_spectral_norm": 12.5,
+mean = {"loss": 5.0, "lfreq_seq": 4.9, "eps": 1e-5, "bound": 4.8,
+        "collapsed_prediction_loss": 5.0, "tsim": 1.0}
+bound = {"n": 64, "sequences": 8, "mean": mean, "w_lm_spectral_norm": 12.5,
          "bound_holds_fraction": 1.0, "min_slack": 0.2, "kl_pfreq_qbar": 0.1,
          "lfreq_corpus": 5.0}
 
@@ -223,14 +225,17 @@ def measure_run(config, workdir, train_batches):
 
 collapse.collapsed_net.measure_run = measure_run
 config, path = get_config("steps=5"), os.path.join(workdir, collapse.THM38_NAME)
-for damaged in ("{bad", '{"bound": 1}', '{"checkpoint_step": 5, "bound": {"n": 64}}'):
+partial_mean = {"checkpoint_step": 5, "bound": {**bound, "mean": {"eps": 1e-5}},
+                "stationary_point": point}
+for damaged in ("{bad", '{"bound": 1}', '{"checkpoint_step": 5, "bound": {"n": 64}}',
+                json.dumps(partial_mean)):
     with open(path, "w") as f:
         f.write(damaged)
     assert collapse.thm38(config, workdir, 0)["bound"] == bound
     with open(path) as f:
         assert json.load(f)["bound"] == bound  # replaced by the new measurement
-assert len(calls) == 3
-assert collapse.thm38(config, workdir, 0)["bound"] == bound and len(calls) == 3  # kept
+assert len(calls) == 4
+assert collapse.thm38(config, workdir, 0)["bound"] == bound and len(calls) == 4  # kept
 print("ok")
 """
 

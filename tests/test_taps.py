@@ -168,7 +168,7 @@ def numpy_tsim(a):
 
 
 def numpy_sublayer_stats(x, f, y, scale, eps):
-    """docs/MATH.md's statistics of one sublayer in float64: input X, branch F, norm input y."""
+    """DIAGNOSTICS.md's statistics of one sublayer in float64: input X, branch F, norm input y."""
     def erank(a):
         sigma = np.linalg.svd(a, compute_uv=False)
         p = sigma / sigma.sum()
