@@ -149,6 +149,10 @@ def render_run_plots(workdir: str) -> list[str]:
     records = read_metrics(workdir)  # first: a workdir without metrics gets no plots/
     out_dir = os.path.join(workdir, "plots")
     os.makedirs(out_dir, exist_ok=True)
-    paths = plot_heatmaps(layer_series(records), out_dir)
+    series = layer_series(records)
+    if not series:
+        logging.warning("%s has no per-layer diagnostics (diag.every): no heatmaps, only the "
+                        "loss plot", os.path.join(workdir, JSONL_NAME))
+    paths = plot_heatmaps(series, out_dir)
     loss_path = plot_loss(records, out_dir)
     return paths + ([loss_path] if loss_path else [])

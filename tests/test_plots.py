@@ -1,12 +1,14 @@
 """Heatmap geometry: every diagnostic step gets its own column, centred on that step."""
 
+import json
+import os
 import warnings
 
 import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
-from postnorm.plots import _heatmap, cell_edges
+from postnorm.plots import _heatmap, cell_edges, render_run_plots
 
 
 @pytest.mark.parametrize("steps", [[1, 10, 20, 30], [5], [1, 2, 50]])
@@ -33,3 +35,12 @@ def test_each_step_is_inside_its_own_cell(steps):
 def test_edges_are_midpoints_between_steps():
     np.testing.assert_allclose(cell_edges(np.array([1, 10, 20])), [-3.5, 5.5, 15, 25])
     np.testing.assert_allclose(cell_edges(np.array([7])), [6.5, 7.5])
+
+
+def test_a_run_without_diagnostics_gets_the_loss_plot_and_a_warning(tmp_path, caplog):
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "train/loss": 9.0 - s, "train/lfreq": 5.0}) + "\n"
+        for s in (1, 2, 3)))
+    paths = render_run_plots(str(tmp_path))
+    assert [os.path.basename(p) for p in paths] == ["loss_vs_lfreq.png"]
+    assert "has no per-layer diagnostics (diag.every): no heatmaps" in caplog.text
