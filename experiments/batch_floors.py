@@ -53,7 +53,8 @@ def main(argv: list[str]) -> None:
     steps = FLAGS.steps or config.train.steps
     if steps < 2:
         raise app.UsageError(f"train.steps={steps}: the floors' sd needs --steps >= 2")
-    seeds, next_counts = integer_list("seeds", FLAGS.seeds, 0), integer_list("next", FLAGS.next, 1)
+    seeds = integer_list("seeds", FLAGS.seeds, 0)
+    next_counts = integer_list("next", FLAGS.next, 1) if FLAGS.next else []  # optional
     every = config.train.log_every
     # the trainer logs every log_every steps, the first and the last
     last_logged = [s for s in range(steps, 0, -1) if s % every == 0 or s in (1, steps)][:3]
