@@ -143,6 +143,7 @@ def test_system_stays_on_the_starting_allocator():
     assert result.stdout.strip() == "system system"
 
 
+@pytest.mark.slow
 @needs_tcmalloc
 def test_training_under_tcmalloc_gives_the_same_losses(tmp_path, tmp_path_factory):
     corpus = write_corpus(tmp_path / "corpus")

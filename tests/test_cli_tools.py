@@ -69,6 +69,7 @@ def test_bench_variants_take_the_config_files_named_variants():
     assert variants["post,model.n_layers=3"]["model"]["n_layers"] == 3
 
 
+@pytest.mark.slow
 def test_bench_xla_option_sets_apply_over_the_configs_and_reach_the_compiler():
     region = "xla_cpu_copy_insertion_use_region_analysis"
     result = run_module("benchmarks.bench", f"--config={TINY},runtime.xla_options={region}=true",

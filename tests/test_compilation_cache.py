@@ -30,6 +30,7 @@ def _main(config: str, workdir: Path) -> subprocess.CompletedProcess:
                           timeout=300, env=env)
 
 
+@pytest.mark.slow
 def test_a_second_run_loads_the_first_runs_programs_and_computes_the_same_losses(tmp_path):
     cache = tmp_path / "cache" / "jax"  # created by the first run
     config = config_flag(write_corpus(tmp_path / "corpus"), tmp_path / "tfds", train__steps=6,

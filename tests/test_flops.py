@@ -49,6 +49,7 @@ def test_attention_flops_against_xla_where_attention_dominates():
     assert formula <= xla_flops <= 1.05 * formula, xla_flops / formula
 
 
+@pytest.mark.slow
 def test_bench_script_reports_every_program_and_variant():
     config = ("configs/default.py:model.n_layers=2,model.d_model=32,model.d_ff=64,"
               "data.seq_len=16,data.batch_size=8,data.vocab_size=128")  # 8 test devices

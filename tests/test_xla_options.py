@@ -90,6 +90,7 @@ def _train(options, steps: int = 3):
     return losses, jax.device_get(state.params), temp
 
 
+@pytest.mark.slow
 def test_the_default_options_leave_every_number_unchanged():
     """The default options change which buffers XLA copies, not what it computes."""
     default = compiler_options(get_config().runtime.xla_options)
