@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from postnorm.data import load_data
+from postnorm.data.lfreq import frequency_floor
 from postnorm.model import ModelSpec
 from postnorm.optim import make_optimizer
 from postnorm.sharding import batch_sharding, make_mesh
@@ -71,11 +72,11 @@ def _concatenated(parts: list[dict[str, np.ndarray]], mesh) -> dict[str, jax.Arr
             for k in parts[0]}
 
 
-def _reference_losses(config) -> tuple[dict[int, float], float]:
+def _reference_losses(config) -> tuple[dict[int, float], float, dict[int, float]]:
     """One process's train losses on the two processes' concatenated batches, on a mesh of 2
-    of this pytest process's 8 CPU devices (the shape of the two-process mesh), and the final
+    of this pytest process's 8 CPU devices (the shape of the two-process mesh), the final
     state's eval loss on the concatenated eval batches (each process's half of the batch
-    size, from its own validation shard)."""
+    size, from its own validation shard), and each concatenated batch's frequency floor."""
     data = load_data(config.data, seed=config.seed)
     spec = ModelSpec.from_config(config.model, vocab_size=data.tokenizer.vocab_size,
                                  max_len=config.data.seq_len)
@@ -84,9 +85,12 @@ def _reference_losses(config) -> tuple[dict[int, float], float]:
     steps = compile_steps(spec, tx, schedule, mesh)
     shards = [data.train_iterator(batch_size=4, seed=config.seed, process_index=i,
                                   process_count=2) for i in range(2)]
-    state, losses = steps.init(config.seed), {}
+    state, losses, floors = steps.init(config.seed), {}, {}
     for step in range(1, STEPS + 1):
-        batch = _concatenated([next(shard) for shard in shards], mesh)
+        parts = [next(shard) for shard in shards]
+        floors[step] = frequency_floor(np.concatenate([p["targets"] for p in parts]),
+                                       data.unigram_counts)
+        batch = _concatenated(parts, mesh)
         if step % config.diag.every == 0 or step == 1:  # as main.py chooses the step
             state, metrics, _ = steps.diag(state, batch)
         else:
@@ -96,7 +100,7 @@ def _reference_losses(config) -> tuple[dict[int, float], float]:
                                process_index=i, process_count=2) for i in range(2)]
     eval_loss = np.mean([float(steps.evaluate(state, _concatenated(list(parts), mesh)))
                          for parts in zip(*evals, strict=True)])
-    return losses, float(eval_loss)
+    return losses, float(eval_loss), floors
 
 
 @pytest.mark.slow
@@ -146,11 +150,17 @@ def test_two_processes_preempt_resume_and_match_one_process(tmp_path, tmp_path_f
             "so resume it with 2 processes") in single.stderr
     assert not list((workdir / "checkpoints").glob("*.corrupt*"))  # nothing was set aside
 
-    want, want_eval = _reference_losses(tiny_config(corpus, tmp_path / "tfds", **FIELDS))
+    want, want_eval, want_floors = _reference_losses(tiny_config(corpus, tmp_path / "tfds",
+                                                                 **FIELDS))
     # On one machine the two agree bit for bit; allclose leaves room for collective order.
     np.testing.assert_allclose([got[s] for s in sorted(got)], [want[s] for s in sorted(got)],
                                rtol=1e-6)
     np.testing.assert_allclose(final_eval[-1], want_eval, rtol=1e-6)
+    floors = {r["step"]: r["train/freq_floor"] for r in read_records(workdir)
+              if "train/freq_floor" in r}
+    assert len(floors) >= 2  # the floor of the global batch, not of one process's share
+    np.testing.assert_allclose([floors[s] for s in sorted(floors)],
+                               [want_floors[s] for s in sorted(floors)], rtol=1e-6)  # float32
 
 
 @pytest.mark.parametrize("flags,message", [

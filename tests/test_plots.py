@@ -8,7 +8,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
-from postnorm.plots import _heatmap, cell_edges, render_run_plots
+from postnorm.metrics import layer_key
+from postnorm.plots import _heatmap, cell_edges, layer_series, render_run_plots
 
 
 @pytest.mark.parametrize("steps", [[1, 10, 20, 30], [5], [1, 2, 50]])
@@ -44,3 +45,12 @@ def test_a_run_without_diagnostics_gets_the_loss_plot_and_a_warning(tmp_path, ca
     paths = render_run_plots(str(tmp_path))
     assert [os.path.basename(p) for p in paths] == ["loss_vs_lfreq.png"]
     assert "has no per-layer diagnostics (diag.every): no heatmaps" in caplog.text
+
+
+def test_layer_series_puts_each_layer_and_step_in_its_own_cell():
+    """Row k is layer k and column j the j-th diagnostic step, whatever the records' order."""
+    records = [{"step": s, layer_key("diag/tsim_attn", k, 12): 100 * k + s}
+               for s in (30, 1, 10) for k in range(12)]
+    steps, values_LxS = layer_series(records)["tsim_attn"]
+    np.testing.assert_array_equal(steps, [1, 10, 30])
+    np.testing.assert_array_equal(values_LxS, 100 * np.arange(12)[:, None] + steps[None, :])

@@ -334,19 +334,23 @@ result = {"status": "done", "config_digest": "D", "final_train_loss": 6.0, "lfre
 row = sweep_cli.table_row(spec, {"model": {"n_layers": 2}}, result, ["model.n_layers"], "D")
 assert (row["loss_over_lfreq"], row["loss_over_floor"]) == (1.2, 1.1), row
 
-def cell(depth, lr, status, ratio):
-    return {"model.n_layers": depth, "opt.lr": lr, "model.norm": "post", "status": status,
+def cell(depth, lr, status, ratio, norm="post"):
+    return {"model.n_layers": depth, "opt.lr": lr, "model.norm": norm, "status": status,
             "loss_over_lfreq": ratio, "collapsed": False, "skipped_steps": 0}
 
 rows = [cell(2, 1e-3, "done", 1.1), cell(2, 3e-3, "done", 1.4),
-        cell(4, 1e-3, "done", 1.2), cell(4, 3e-3, "stale", 9.0)]
+        cell(4, 1e-3, "done", 1.2), cell(4, 3e-3, "stale", 9.0),
+        cell(2, 1e-3, "done", 0.8, "pre"), cell(2, 3e-3, "done", 0.9, "pre"),
+        cell(4, 1e-3, "done", 0.7, "pre"), cell(4, 3e-3, "done", 0.6, "pre")]
 kept = {}
 sweep_cli.save_figure = lambda fig, path, **kw: kept.setdefault("fig", fig)
 sweep_cli.stability_map(rows, "unused.png")
-ax = kept["fig"].axes[0]
+ax, pre_ax = kept["fig"].axes[:2]
 grid = np.ma.filled(ax.images[0].get_array().astype(float), np.nan)
 # rows: depth 2, 4 (origin lower); columns: lr 1e-3, 3e-3; a stale result is not coloured
 np.testing.assert_array_equal(grid, [[1.1, 1.4], [1.2, np.nan]])
+pre_grid = np.ma.filled(pre_ax.images[0].get_array().astype(float), np.nan)
+np.testing.assert_array_equal(pre_grid, [[0.8, 0.9], [0.7, 0.6]])  # each panel its own runs
 assert [t.get_text() for t in ax.get_yticklabels()] == ["2", "4"]
 assert [t.get_text() for t in ax.get_xticklabels()] == ["0.001", "0.003"]
 print("ok")

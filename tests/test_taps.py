@@ -125,6 +125,17 @@ def test_diag_step_makes_the_same_update_bitwise(norm, kernel):
     assert float(plain_metrics["train/loss"]) == float(diag_metrics["train/loss"])
 
 
+def test_the_logged_gradient_norm_is_the_global_norm_of_the_gradients():
+    """train/grad_norm against the float64 root of the summed squares of jax.grad's leaves."""
+    _, model, params, inputs, targets = setup("post", kernel="einsum")
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(1e-3))
+    _, metrics = jax.jit(train_step, static_argnums=2)(
+        state, {"inputs": inputs, "targets": targets}, optax.constant_schedule(1e-3))
+    grads = jax.grad(lambda p: cross_entropy(model.apply({"params": p}, inputs), targets))(params)
+    want = np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(grads)))
+    np.testing.assert_allclose(float(metrics["train/grad_norm"]), want, rtol=1e-5)
+
+
 @pytest.mark.parametrize("norm", ["post", "pre"])
 def test_diag_step_reports_the_norms_of_the_reference_cotangents(norm):
     """diag/dldx_{norm,mean_norm,repair_norm}_{attn,ffn,final}: Frobenius norms (not squares)
