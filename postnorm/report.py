@@ -50,13 +50,6 @@ def _img(path: str) -> str:
             f"<figcaption>{html.escape(name)}</figcaption></figure>")
 
 
-def _ratio(record: dict, numerator: str, denominator: str) -> float | None:
-    """``record[numerator] / record[denominator]``, or None when either is not logged."""
-    if numerator in record and denominator in record:
-        return record[numerator] / record[denominator]
-    return None
-
-
 def _table(rows: list[tuple[str, object]]) -> str:
     def fmt(value: object) -> str:
         if isinstance(value, float):
@@ -167,9 +160,10 @@ def build_report(workdir: str, fallback_config: dict | None = None,
                ("train loss at the last logged step", train[-1][1]),
                ("final eval loss", last_eval.get("eval/loss")), ("L_freq", lfreq),
                ("train loss at the last logged step / L_freq", train[-1][1] / lfreq),
-               ("final eval loss / L_freq", _ratio(last_eval, "eval/loss", "eval/lfreq")),
+               ("final eval loss / L_freq",
+                last_eval["eval/loss"] / lfreq if evals else None),
                ("final eval loss / the frequency floor of the eval batches",
-                _ratio(last_eval, "eval/loss", "eval/freq_floor")),
+                last_eval.get("eval/loss_over_floor")),  # as the trainer logged it
                (f"mean train loss of the last {rule.loss_smoothing} logged steps / the "
                 "frequency floor of their batches", floor[0] / floor[1])]
     if collapse is not None:

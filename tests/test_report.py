@@ -39,7 +39,8 @@ def write_run(workdir, collapse: bool = True, skipped: int = 2, n_layers: int = 
                 for kind in ("attn", "ffn"):
                     record[layer_key(f"diag/{name}_{kind}", layer, n_layers)] = value
         if step == 100:
-            record.update({"eval/loss": 5.2, "eval/lfreq": 5.0, "eval/freq_floor": 4.0})
+            record.update({"eval/loss": 5.2, "eval/lfreq": 5.0, "eval/freq_floor": 4.0,
+                           "eval/loss_over_floor": 1.3})
         lines.append(json.dumps(record))
     (workdir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
 
