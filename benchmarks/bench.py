@@ -36,7 +36,8 @@ the process's resident set (current, and lifetime peak including compilation). A
 page faults of each call (median, ``minor_page_faults``), the kernel's transparent huge page
 mode (``transparent_hugepages``) and the heap allocator (``allocator``, from the config's
 ``runtime.allocator``; the same for every variant): under glibc's allocator XLA's CPU runtime
-maps each call's temporaries afresh, so they fault page by page (docs/PERFORMANCE.md). Every
+maps each call's temporaries afresh, so they fault page by page (docs/PERFORMANCE.md). The
+record names the CPU (``cpu``: ``benchmarks.programs.cpu_description``). Every
 program is compiled afresh (JAX's persistent compilation cache is kept off), so ``compile_s``
 times a compile. Prints JSON.
 """
@@ -57,6 +58,7 @@ from benchmarks.programs import (
     build_programs,
     check_benchmark_config,
     compile_afresh,
+    cpu_description,
     device_memory,
     memory_analysis,
     transparent_hugepage_mode,
@@ -160,7 +162,7 @@ def main(argv: list[str]) -> None:
                 results[overrides]["programs"][name]["mfu_vs_nominal"] = (
                     achieved / (FLAGS.nominal_peak_tflops * 1e12))
     print(json.dumps({
-        "platform": jax.default_backend(), "devices": jax.device_count(),
+        "platform": jax.default_backend(), "devices": jax.device_count(), "cpu": cpu_description(),
         "repeats": FLAGS.repeats, "transparent_hugepages": transparent_hugepage_mode(),
         "allocator": allocator,
         "peak": {"matmul_size": n, "dtype": FLAGS.peak_dtype,

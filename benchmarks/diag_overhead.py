@@ -20,7 +20,12 @@ import jax
 from absl import app, flags
 from ml_collections import config_flags
 
-from benchmarks.programs import check_benchmark_config, memory_analysis, random_batch
+from benchmarks.programs import (
+    check_benchmark_config,
+    cpu_description,
+    memory_analysis,
+    random_batch,
+)
 from postnorm.allocator import use_allocator
 from postnorm.config_args import parse_flags
 from postnorm.model import ModelSpec
@@ -76,7 +81,7 @@ def main(argv: list[str]) -> None:
                    "seq_len": config.data.seq_len, "batch_size": config.data.batch_size,
                    "norm": spec.norm, "attention": spec.attention, "remat": spec.remat,
                    "scan_unroll": spec.scan_unroll, "devices": jax.device_count()},
-        "allocator": allocator, "xla_options": xla_options,
+        "cpu": cpu_description(), "allocator": allocator, "xla_options": xla_options,
         "repeats": FLAGS.repeats,
         "median_step_s": median,
         "diag_over_train_time": median["diag"] / median["train"],

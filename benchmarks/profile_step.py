@@ -30,7 +30,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from benchmarks.op_groups import hlo_op_names, op_group
-from benchmarks.programs import check_benchmark_config, random_batch
+from benchmarks.programs import check_benchmark_config, cpu_description, random_batch
 from postnorm.allocator import use_allocator
 from postnorm.config_args import parse_flags
 from postnorm.model import ModelSpec
@@ -95,7 +95,7 @@ def main(argv: list[str]) -> None:
     summed = sum(totals.values())
     print(json.dumps({
         "step_wall_s": wall, "summed_op_s": summed / 1e6, "trace": path,
-        "cpus": len(os.sched_getaffinity(0)), "allocator": allocator, "xla_options": xla_options,
+        "cpu": cpu_description(), "allocator": allocator, "xla_options": xla_options,
         "groups_s": {k: round(v / 1e6, 4) for k, v in totals.most_common()},
         "groups_share": {k: round(v / summed, 4) for k, v in totals.most_common()},
         "top_op_kinds_s": {k: round(v / 1e6, 4) for k, v in op_kinds.most_common(FLAGS.top_ops)},

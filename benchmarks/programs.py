@@ -4,6 +4,7 @@ Shared by the benchmarks: ``train`` (the jitted, guarded, donating train step th
 runs), ``diag`` (the diagnostic step) and ``forward`` (the logits at initialisation).
 """
 
+import os
 import pathlib
 import re
 import resource
@@ -24,6 +25,9 @@ from postnorm.xla_options import XlaOptions, compiler_options
 
 PROGRAMS = ("train", "diag", "forward")
 THP_SETTING = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
+CPUINFO = pathlib.Path("/proc/cpuinfo")
+# The vector and matrix instruction sets a CPU step's speed depends on, as /proc/cpuinfo names them
+CPU_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 
 
 def compile_afresh() -> None:
@@ -44,6 +48,26 @@ def transparent_hugepage_mode() -> str | None:
         return re.search(r"\[(\w+)\]", THP_SETTING.read_text()).group(1)
     except (OSError, AttributeError):
         return None
+
+
+def cpu_description() -> dict[str, object]:
+    """The CPU the benchmark ran on: its model name, the cores this process may use, and which
+    of ``CPU_ISA_FLAGS`` it has (``None`` for what /proc/cpuinfo does not say, e.g. off Linux).
+
+    The ranking of CPU settings, and the gap to other frameworks, differ between CPUs
+    (docs/PERFORMANCE.md), so every benchmark record names its CPU.
+    """
+    try:
+        text = CPUINFO.read_text()
+    except OSError:
+        text = ""
+    model = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
+    flags = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
+    present = set(flags.group(1).split()) if flags else None
+    return {"model": model.group(1).strip() if model else None,
+            "cores": (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                      else os.cpu_count()),
+            "isa": None if present is None else [f for f in CPU_ISA_FLAGS if f in present]}
 
 
 def minor_page_faults() -> int:

@@ -19,8 +19,8 @@ interleaved (JAX peak matmul, PyTorch peak matmul, JAX step, PyTorch step); MFU 
 model FLOPs of ``postnorm.flops`` against each framework's own fastest 2048² float32 matmul
 of that repeat. Both steps' minor page faults per call and the kernel's transparent huge page
 mode are reported too (``benchmarks.programs.transparent_hugepage_mode``), and the heap
-allocator both run on (``allocator``, from ``runtime.allocator``); ``--profile_ops`` adds the
-largest ops of one profiled PyTorch step. Prints JSON.
+allocator both run on (``allocator``, from ``runtime.allocator``) and the CPU (``cpu``);
+``--profile_ops`` adds the largest ops of one profiled PyTorch step. Prints JSON.
 """
 
 import collections
@@ -39,6 +39,7 @@ from benchmarks.programs import (
     build_programs,
     check_benchmark_config,
     compile_afresh,
+    cpu_description,
     minor_page_faults,
     random_tokens,
     transparent_hugepage_mode,
@@ -165,7 +166,8 @@ def main(argv: list[str]) -> None:
     profile = profile_step(step_fn, FLAGS.profile_ops) if FLAGS.profile_ops else None
     print(json.dumps({
         "model": {**model_info, "model_gflop": flops / 1e9},
-        "repeats": FLAGS.repeats, "transparent_hugepages": transparent_hugepage_mode(),
+        "repeats": FLAGS.repeats, "cpu": cpu_description(),
+        "transparent_hugepages": transparent_hugepage_mode(),
         "allocator": allocator, "equivalence": check, "jax": jax_summary,
         "torch": torch_summary,
         "torch_time_vs_jax": torch_summary["median_s"] / jax_summary["median_s"],

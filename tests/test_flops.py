@@ -68,5 +68,6 @@ def test_bench_script_reports_every_program_and_variant():
             assert program["memory"]["peak_estimate_bytes"] > 0
             assert isinstance(program["minor_page_faults"], (int, float))
     assert report["transparent_hugepages"] in (None, "always", "madvise", "never")
+    assert report["cpu"]["cores"] >= 1
     first = report["variants"]["model.remat=none"]["programs"]["train"]
     assert first["time_vs_first_variant"] == 1.0
