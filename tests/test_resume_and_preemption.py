@@ -141,20 +141,27 @@ def test_eval_beside_a_live_trainer_leaves_both_intact(tmp_path, tmp_path_factor
 
 def test_a_second_trainer_of_the_same_workdir_is_refused(tmp_path, tmp_path_factory):
     """The same command started again while the first run trains exits 2 naming that run;
-    the first goes on and logs every step once."""
-    steps = 200
-    config = config_flag(write_corpus(tmp_path / "corpus"), tmp_path / "tfds", train__steps=steps)
+    the first goes on and logs every step once.
+
+    The first run is far longer than the test (a fixed length finished before the second
+    command started on a fast CPU), and is preempted once the second has been refused.
+    """
+    config = config_flag(write_corpus(tmp_path / "corpus"), tmp_path / "tfds",
+                         train__steps=1_000_000)
     cache, workdir, log = jax_cache_dir(tmp_path_factory), tmp_path / "run", tmp_path / "first.log"
     first = start_main("--config", config, "--workdir", str(workdir), log=log, cache_dir=cache)
     wait_for_step(first, workdir, 6, log)
     second = run_main("--config", config, "--workdir", str(workdir), cache_dir=cache)
     assert second.returncode == 2, second.stderr[-3000:]
-    assert first.poll() is None, "the first run ended before the second started: lengthen it"
+    assert first.poll() is None, log.read_text()[-3000:]
     assert (f"postnorm: error: {workdir} is in use by another training run (process "
             f"{first.pid} on ") in second.stderr
+    first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=300) == 0, log.read_text()[-3000:]
+    stop = re.search(r"postnorm: preempted at step (\d+): checkpoint saved", log.read_text())
+    assert stop, log.read_text()[-3000:]
     logged = [r["step"] for r in read_records(workdir) if "train/loss" in r]
-    assert logged == list(range(1, steps + 1))
+    assert logged == list(range(1, int(stop.group(1)) + 1))
 
 
 def test_a_stop_asked_for_during_the_last_step_finishes_the_run(tmp_path, monkeypatch):
