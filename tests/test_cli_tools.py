@@ -6,8 +6,10 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
+from benchmarks.attention_core import check
 from tests.reliability_helpers import REPO, config_flag, subprocess_env, write_corpus
 
 TINY = ("configs/default.py:model.n_layers=2,model.d_model=32,model.d_ff=96,data.seq_len=32,"
@@ -97,6 +99,30 @@ def test_rmsnorm_vjp_checks_the_fused_gradients_and_times_both():
         assert set(timing["median_ms"]) == {"autodiff", "fused"}
 
 
+@pytest.mark.parametrize("torch", [False, True])
+def test_attention_core_checks_every_kernel_against_einsum_and_times_them(torch):
+    if torch:
+        pytest.importorskip("torch")
+    result = run_module("benchmarks.attention_core", "--shape=2x16x2x8",
+                        "--kernels=blocked:4,blocked:16,einsum,xla", "--repeats=1", "--calls=1",
+                        "--torch" if torch else "--notorch")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    kernels = ["blocked:4", "blocked:16", "einsum", "xla"] + (["torch_sdpa"] if torch else [])
+    assert list(report["median_ms"]) == kernels
+    for parts in report["median_ms"].values():
+        assert set(parts) == {"forward", "forward_backward"} and min(parts.values()) > 0
+
+
+def test_attention_core_check_fails_on_a_wrong_gradient():
+    """The check compares the output and every gradient, so a kernel that got one wrong stops
+    the script."""
+    out, grads = np.ones((2, 3)), (np.ones(2), np.ones(2), np.ones(2))
+    check("same", out, grads, (out, grads))
+    with pytest.raises(AssertionError, match="wrong differs from the einsum kernel"):
+        check("wrong", out, (grads[0], grads[1], 1.01 * grads[2]), (out, grads))
+
+
 @pytest.mark.parametrize("module,args,code,message", [
     ("benchmarks.bench", [f"--config={TINY},model.norm=sandwich"], 2,
      "postnorm: error: model.norm='sandwich' is invalid"),
@@ -116,6 +142,10 @@ def test_rmsnorm_vjp_checks_the_fused_gradients_and_times_both():
      "unexpected arguments: ['diag']"),
     ("benchmarks.rmsnorm_vjp", ["--shapes=16x128"], 1,
      "--shapes: '16x128' is not BxLxD with positive integers"),
+    ("benchmarks.attention_core", ["--shape=16x128", "--notorch"], 1,
+     "--shape='16x128': expected BxLxHxK, e.g. 16x128x4x16"),
+    ("benchmarks.attention_core", ["--kernels=blocked:0", "--notorch"], 1,
+     "--kernels: 'blocked:0' is not blocked:N, einsum or xla"),
     ("experiments.init_similarity", ["--out_dir=/dev/null/x", "--inputs=gaussian"], 2,
      "postnorm: error: --out_dir='/dev/null/x' cannot be created or written"),
     ("experiments.sweep", ["--sweep=configs/sweeps/stability.py:smoke", "--out_dir=/dev/null"],
