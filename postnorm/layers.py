@@ -8,9 +8,11 @@ Attention kernels (``model.attention``): ``einsum`` materialises the softmax pro
 ``blocked`` computes them one block of ``model.attention_block`` query rows at a time against
 only the keys that block can see, skipping the masked upper triangle of blocks (about half the
 work at n >> block); ``xla`` and ``cudnn`` call ``jax.nn.dot_product_attention`` with that
-implementation (``cudnn``: GPU, bfloat16). The diagnostic step's attention statistics are
-per-row, so ``blocked`` collects them block by block; with ``xla`` or ``cudnn``, which never
-expose the probabilities, the diagnostic step uses the ``einsum`` kernel.
+implementation (``cudnn``: GPU, bfloat16); ``cpu`` is the C++ kernel of
+``postnorm.kernels.causal_attention`` (CPU, float32), forward and backward. The diagnostic step's
+attention statistics are per-row, so ``blocked`` collects them block by block; with ``xla``,
+``cudnn`` or ``cpu``, which never expose the probabilities, the diagnostic step uses the
+``einsum`` kernel.
 """
 
 import flax.linen as nn
@@ -19,8 +21,9 @@ import jax.numpy as jnp
 
 from postnorm.diagnostics import attention_row_stats, mean_attention_stats
 from postnorm.initializers import kernel_init
+from postnorm.kernels.causal_attention import cpu_causal_attention
 
-ATTENTION_KERNELS = ("einsum", "blocked", "xla", "cudnn")
+ATTENTION_KERNELS = ("einsum", "blocked", "xla", "cudnn", "cpu")
 
 
 def token_matmul(x_BxLxD: jax.Array, w_DxF: jax.Array) -> jax.Array:
@@ -149,6 +152,8 @@ class CausalSelfAttention(nn.Module):
                 block = self.block if self.kernel == "blocked" else length
                 out_BxLxHxK, row_stats = blocked_causal_attention(
                     q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, block, self.collect_stats)
+            elif self.kernel == "cpu":
+                out_BxLxHxK = cpu_causal_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)
             else:
                 out_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK,
                                                            is_causal=True,

@@ -12,7 +12,9 @@ Parameters of the layer stack carry a leading ``[n_layers]`` axis (logical name 
 ``none`` keeps every intermediate; ``dots`` keeps matmul outputs and recomputes elementwise
 work; ``dots_no_batch`` keeps only
 matmul outputs without batch dimensions, so it also recomputes the attention scores and
-probabilities (the [B, H, n, n] arrays); ``full`` keeps only the layer input.
+probabilities (the [B, H, n, n] arrays); ``full`` keeps only the layer input. Every policy
+also keeps the ``cpu`` attention kernel's output and log-sum-exp (``KERNEL_RESIDUALS``), so
+its backward never reruns its forward.
 ``model.scan_unroll`` layers are unrolled per iteration of the layer loop (compile time grows
 with it). A scanned loop copies what the backward pass keeps into buffers stacked over the
 layers and back out; with ``scan_unroll = n_layers`` there is no loop and no such copy, so
@@ -29,17 +31,21 @@ import ml_collections
 
 from postnorm.diagnostics import sublayer_stats, tsim
 from postnorm.initializers import embedding_init
+from postnorm.kernels.causal_attention import KERNEL_RESIDUALS
 from postnorm.layers import CausalSelfAttention, RMSNorm, SwiGLU, dense_kernel, token_matmul
 from postnorm.taps import tap
 
 NORM_PLACEMENTS = ("post", "pre")
 POSITION_SCHEMES = ("rope", "learned", "none")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_SAVE_KERNEL_RESIDUALS = jax.checkpoint_policies.save_only_these_names(*KERNEL_RESIDUALS)
 REMAT_POLICIES = {
     "none": None,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.checkpoint_dots, _SAVE_KERNEL_RESIDUALS),
+    "dots_no_batch": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable, _SAVE_KERNEL_RESIDUALS),
+    "full": _SAVE_KERNEL_RESIDUALS,
 }
 
 

@@ -9,6 +9,7 @@ from postnorm.allocator import AllocatorError
 from postnorm.checkpoint import CheckpointError
 from postnorm.compilation_cache import CompilationCacheError
 from postnorm.data import DataError
+from postnorm.kernels.build import KernelBuildError
 from postnorm.metrics import MetricsFileError, MetricsWriteError
 from postnorm.output_dir import OutputDirError
 from postnorm.preemption import Stopped
@@ -19,7 +20,7 @@ from postnorm.xla_options import XlaOptionsError
 
 USER_ERRORS = (ConfigError, AllocatorError, CompilationCacheError, DataError, CheckpointError,
                WorkdirError, MetricsFileError, MetricsWriteError, SweepError, XlaOptionsError,
-               OutputDirError)
+               OutputDirError, KernelBuildError)
 
 
 def exit_2_on_user_error(main: Callable[[list[str]], None]) -> Callable[[list[str]], None]:

@@ -15,6 +15,8 @@ from configs.default import base_config
 from postnorm.allocator import ALLOCATORS
 from postnorm.data import check_data_config
 from postnorm.initializers import INIT_SCHEMES
+from postnorm.kernels.build import register_attention_kernels
+from postnorm.kernels.causal_attention import HEAD_DIMS
 from postnorm.layers import ATTENTION_KERNELS
 from postnorm.model import DTYPES, NORM_PLACEMENTS, POSITION_SCHEMES, REMAT_POLICIES
 from postnorm.nonfinite import NONFINITE_POLICIES
@@ -88,6 +90,21 @@ def check_model(config: ml_collections.ConfigDict) -> None:
     if config.model.positions == "rope" and (d // heads) % 2:
         raise ConfigError(f"model.positions='rope' needs an even head dim, but "
                           f"model.d_model/model.n_heads = {d}/{heads} = {d // heads}")
+    if config.model.attention == "cpu":
+        check_cpu_kernel(config)
+
+
+def check_cpu_kernel(config: ml_collections.ConfigDict) -> None:
+    """The shapes and dtype the C++ kernel of ``model.attention='cpu'`` is built for."""
+    d, heads = config.model.d_model, config.model.n_heads
+    if config.model.dtype != "float32":
+        raise ConfigError(f"model.attention='cpu' computes in float32, but model.dtype="
+                          f"{config.model.dtype!r}; set model.dtype=float32 or "
+                          "model.attention=blocked")
+    if d // heads not in HEAD_DIMS:
+        raise ConfigError(f"model.attention='cpu' is built for head dims {list(HEAD_DIMS)}, but "
+                          f"model.d_model/model.n_heads = {d}/{heads} = {d // heads}; change "
+                          "them or set model.attention=blocked")
 
 
 def check_opt(config: ml_collections.ConfigDict) -> None:
@@ -168,10 +185,19 @@ def check_vocab_layout(config: ml_collections.ConfigDict, *, vocab_size: int,
 
 
 def check_backend(config: ml_collections.ConfigDict, *, platform: str) -> None:
-    """Fields that need a particular accelerator (``platform``: ``jax.default_backend()``)."""
+    """Fields that need a particular accelerator (``platform``: ``jax.default_backend()``).
+
+    ``model.attention='cpu'`` also builds its kernel here, so a missing compiler is reported
+    (``KernelBuildError``) before any work starts.
+    """
     if config.model.attention == "cudnn" and platform != "gpu":
         raise ConfigError(f"model.attention='cudnn' needs a GPU, but JAX runs on {platform!r}; "
                           "set model.attention=xla or einsum")
+    if config.model.attention == "cpu" and platform != "cpu":
+        raise ConfigError(f"model.attention='cpu' is a CPU kernel, but JAX runs on {platform!r}; "
+                          "set model.attention=xla (or cudnn on a GPU)")
+    if config.model.attention == "cpu":
+        register_attention_kernels()
 
 
 def check_runtime(config: ml_collections.ConfigDict) -> None:

@@ -214,7 +214,9 @@ def _plain_model_loss_and_grads(norm: str):
                                      dict(attention="blocked", attention_block=3),
                                      dict(attention="blocked", attention_block=4, remat="full"),
                                      dict(scan_unroll=3), dict(scan_unroll=2, remat="dots"),
-                                     dict(attention="xla", remat="dots")])
+                                     dict(attention="xla", remat="dots"),
+                                     dict(attention="cpu"), dict(attention="cpu", remat="full"),
+                                     dict(attention="cpu", remat="dots", scan_unroll=3)])
 def test_remat_attention_kernels_and_unrolling_do_not_change_the_function(norm, variant):
     """Every remat policy, attention kernel and unroll gives the plain model's loss and grads."""
     params, tokens, loss, grads = _plain_model_loss_and_grads(norm)

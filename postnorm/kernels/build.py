@@ -1,0 +1,104 @@
+"""Compile the C++ kernels once per source, compiler, jaxlib and CPU, and register them with XLA.
+
+The shared library is built with ``-O3 -march=native`` into ``postnorm/kernels/_build/``, named
+by a hash of everything that goes into it, so a changed source, compiler, jaxlib or CPU builds
+a new one and an unchanged one is loaded as it is. It is compiled to a temporary name and
+renamed, so processes building at once never load a half-written file.
+"""
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jaxlib
+
+KERNEL_DIR = Path(__file__).resolve().parent
+BUILD_DIR = KERNEL_DIR / "_build"
+ATTENTION_SOURCE = KERNEL_DIR / "causal_attention_cpu.cc"
+COMPILERS = ("c++", "g++", "clang++")
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+FFI_TARGETS = {"postnorm_causal_attention_fwd": "PostnormCausalAttentionForward",
+               "postnorm_causal_attention_bwd": "PostnormCausalAttentionBackward"}
+
+_registered: set[str] = set()
+
+
+class KernelBuildError(RuntimeError):
+    """The C++ kernel could not be compiled or loaded; the message says what would fix it."""
+
+
+def find_compiler() -> str | None:
+    """The first C++ compiler of ``COMPILERS`` on the PATH."""
+    return next((path for name in COMPILERS if (path := shutil.which(name))), None)
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags (``/proc/cpuinfo``), or the machine name where there are none:
+    ``-march=native`` code is only valid on a CPU with the same features."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.machine() + platform.processor()
+
+
+def build_key(source: Path, compiler: str) -> str:
+    """A hash of the source, the compiler's version, the flags, jaxlib and the CPU."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    parts = (source.read_bytes(), version.encode(), " ".join(FLAGS).encode(),
+             jaxlib.__version__.encode(), cpu_flags().encode())
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def build(source: Path = ATTENTION_SOURCE, compiler: str | None = None,
+          build_dir: Path = BUILD_DIR) -> Path:
+    """The shared library of ``source``, compiled unless an identical build exists."""
+    compiler = compiler or find_compiler()
+    if compiler is None or shutil.which(compiler) is None:
+        raise KernelBuildError(
+            f"model.attention='cpu' compiles {source.name} with a C++17 compiler, but "
+            f"{compiler or ' / '.join(COMPILERS)} is not on the PATH: install one (e.g. "
+            "apt-get install g++) or set model.attention=blocked")
+    library = build_dir / f"{source.stem}-{build_key(source, compiler)}.so"
+    if library.exists():
+        return library
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(dir=build_dir, suffix=".so.partial")
+        os.close(fd)
+    except OSError as err:
+        raise KernelBuildError(f"model.attention='cpu' builds its kernel in {build_dir}, which "
+                               f"is not writable ({err}); make it writable or set "
+                               "model.attention=blocked") from err
+    command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", partial]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        os.unlink(partial)
+        raise KernelBuildError(f"compiling {source} failed ({' '.join(command)}):\n"
+                               f"{result.stderr.strip()[-2000:]}\nset model.attention=blocked "
+                               "to train without it")
+    os.replace(partial, library)
+    return library
+
+
+def register_attention_kernels(compiler: str | None = None) -> None:
+    """Build (if needed) and register the CPU attention kernel's FFI targets, once a process."""
+    if set(FFI_TARGETS) <= _registered:
+        return
+    library = ctypes.cdll.LoadLibrary(str(build(ATTENTION_SOURCE, compiler)))
+    for target, symbol in FFI_TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
+                                    platform="cpu")
+        _registered.add(target)

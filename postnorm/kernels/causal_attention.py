@@ -1,0 +1,101 @@
+"""Causal softmax attention by the C++ CPU kernel (``causal_attention_cpu.cc``), with its own
+backward.
+
+The forward returns the output and each query row's log-sum-exp; the backward rebuilds the
+probabilities from them, so no [L, L] array is kept between the two. Both are checkpoint-named
+(``KERNEL_RESIDUALS``): a remat policy that saves them (``postnorm.model.REMAT_POLICIES`` all
+do) keeps the backward pass from running the forward kernel a second time.
+
+Heads are independent, so both calls are partitioned over the batch and head axes
+(``custom_partitioning``): on a mesh, each device runs the kernel on its own batch rows and
+heads, and the sequence and head-dimension axes are gathered whole.
+"""
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+from postnorm.kernels.build import register_attention_kernels
+
+HEAD_DIMS = (4, 8, 16, 32, 64, 128, 256)  # the head dimensions the kernel is instantiated for
+KERNEL_RESIDUALS = ("attention_kernel_out", "attention_kernel_lse")
+HEADS_LAYOUT = "b l h k"  # q, k, v, out and their gradients: [B, L, H, K]
+LSE_LAYOUT = "b h l"  # the log-sum-exp: [B, H, L]
+
+
+def _ffi_forward(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK):
+    register_attention_kernels()
+    batch, length, heads, _ = q_BxLxHxK.shape
+    out_types = (jax.ShapeDtypeStruct(q_BxLxHxK.shape, jnp.float32),
+                 jax.ShapeDtypeStruct((batch, heads, length), jnp.float32))
+    return jax.ffi.ffi_call("postnorm_causal_attention_fwd", out_types)(q_BxLxHxK, k_BxLxHxK,
+                                                                        v_BxLxHxK)
+
+
+def _ffi_backward(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, out_BxLxHxK, lse_BxHxL, d_out_BxLxHxK):
+    register_attention_kernels()
+    grad_type = jax.ShapeDtypeStruct(q_BxLxHxK.shape, jnp.float32)
+    return jax.ffi.ffi_call("postnorm_causal_attention_bwd", (grad_type,) * 3)(
+        q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, out_BxLxHxK, lse_BxHxL, d_out_BxLxHxK)
+
+
+def _spec(layout: str, batch_axes, head_axes) -> PartitionSpec:
+    """A layout's PartitionSpec with only its batch and head axes split."""
+    axes = {"b": batch_axes, "h": head_axes}
+    return PartitionSpec(*(axes.get(name) for name in layout.split()))
+
+
+def _batch_and_head_partitioned(fn: Callable, in_layouts: tuple[str, ...],
+                                out_layouts: tuple[str, ...]) -> Callable:
+    """``fn`` partitioned over the ``b`` and ``h`` axes of its arrays, as the first
+    argument (a ``HEADS_LAYOUT`` array) is split; ``l`` and ``k`` stay whole."""
+    wrapped = custom_partitioning(fn)
+
+    def shardings(mesh, arg_shapes, layouts):
+        spec = tuple(arg_shapes[0].sharding.spec) + (None,) * 4
+        batch_axes, head_axes = spec[0], spec[2]
+        return tuple(NamedSharding(mesh, _spec(layout, batch_axes, head_axes))
+                     for layout in layouts)
+
+    def infer(mesh, arg_shapes, result_shape):
+        return shardings(mesh, arg_shapes, out_layouts)
+
+    def partition(mesh, arg_shapes, result_shape):
+        return (mesh, fn, shardings(mesh, arg_shapes, out_layouts),
+                shardings(mesh, arg_shapes, in_layouts))
+
+    rule = f"{', '.join(in_layouts)} -> {', '.join(out_layouts)}"
+    wrapped.def_partition(partition=partition, infer_sharding_from_operands=infer,
+                          sharding_rule=rule, need_replication_factors=("l", "k"))
+    return wrapped
+
+
+_forward = _batch_and_head_partitioned(_ffi_forward, (HEADS_LAYOUT,) * 3,
+                                       (HEADS_LAYOUT, LSE_LAYOUT))
+_backward = _batch_and_head_partitioned(
+    _ffi_backward, (HEADS_LAYOUT,) * 4 + (LSE_LAYOUT, HEADS_LAYOUT), (HEADS_LAYOUT,) * 3)
+
+
+@jax.custom_vjp
+def cpu_causal_attention(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax.Array
+                         ) -> jax.Array:
+    """softmax(q k^T / sqrt(K), causal) v per head, float32 [B, L, H, K] in and out."""
+    return _forward(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)[0]
+
+
+def _vjp_forward(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK):
+    out_BxLxHxK, lse_BxHxL = _forward(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)
+    out_BxLxHxK = checkpoint_name(out_BxLxHxK, KERNEL_RESIDUALS[0])
+    lse_BxHxL = checkpoint_name(lse_BxHxL, KERNEL_RESIDUALS[1])
+    return out_BxLxHxK, (q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, out_BxLxHxK, lse_BxHxL)
+
+
+def _vjp_backward(residuals, d_out_BxLxHxK):
+    return tuple(_backward(*residuals, d_out_BxLxHxK))
+
+
+cpu_causal_attention.defvjp(_vjp_forward, _vjp_backward)

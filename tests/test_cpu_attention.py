@@ -1,0 +1,178 @@
+"""The C++ CPU attention kernel (``model.attention='cpu'``): against a float64 numpy forward and
+``jax.vjp`` of a plain jnp attention, on a mesh, under remat, and its build and config errors."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from configs.default import get_config
+from postnorm.kernels import build
+from postnorm.kernels.causal_attention import HEAD_DIMS, _forward, cpu_causal_attention
+from postnorm.model import REMAT_POLICIES
+from postnorm.validation import ConfigError, check_backend, check_model
+
+SHAPES = [(2, 37, 3, 4), (1, 64, 2, 16), (3, 50, 2, 32), (1, 19, 1, 128), (16, 128, 4, 16),
+          (1, 1, 1, 8)]
+
+
+def numpy_attention(q, k, v):
+    """float64 causal softmax attention of [B, L, H, K] arrays, and each row's log-sum-exp."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    scores = np.einsum("blhk,bmhk->bhlm", q, k) / np.sqrt(q.shape[-1])
+    length = q.shape[1]
+    scores = np.where(np.tril(np.ones((length, length), bool)), scores, -np.inf)
+    peak = scores.max(-1, keepdims=True)
+    lse = peak[..., 0] + np.log(np.exp(scores - peak).sum(-1))
+    probs = np.exp(scores - lse[..., None])
+    return np.einsum("bhlm,bmhk->blhk", probs, v), lse
+
+
+def jnp_attention(q, k, v):
+    """The same in float32 jnp, differentiated by JAX."""
+    scores = jnp.einsum("blhk,bmhk->bhlm", q, k) / jnp.sqrt(q.shape[-1])
+    length = q.shape[1]
+    scores = jnp.where(jnp.tril(jnp.ones((length, length), bool)), scores, -jnp.inf)
+    return jnp.einsum("bhlm,bmhk->blhk", jax.nn.softmax(scores, axis=-1), v)
+
+
+def random_inputs(shape, seed=0, n=4):
+    rng = np.random.default_rng(seed)
+    return [rng.normal(size=shape).astype(np.float32) * 2 for _ in range(n)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_forward_and_log_sum_exp_match_numpy(shape):
+    """Lengths that are and are not multiples of the kernel's 16-query blocks, one head to 64."""
+    q, k, v = random_inputs(shape, n=3)
+    out, lse = jax.jit(_forward)(q, k, v)
+    want_out, want_lse = numpy_attention(q, k, v)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lse, want_lse.astype(np.float32), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gradients_match_jax_vjp_of_plain_attention(shape):
+    q, k, v, g = random_inputs(shape, seed=1)
+    _, vjp = jax.vjp(jnp_attention, q, k, v)
+    _, kernel_vjp = jax.vjp(cpu_causal_attention, q, k, v)
+    for got, want in zip(jax.jit(kernel_vjp)(g), vjp(g), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
+def test_large_scores_neither_overflow_nor_lose_the_peak():
+    """Scores of +-400: the softmax is one-hot and exp must not overflow or flush to NaN."""
+    q, k, v = random_inputs((1, 40, 2, 16), seed=2, n=3)
+    q = q * 50
+    out, lse = jax.jit(_forward)(q, k, v)
+    want_out, want_lse = numpy_attention(q, k, v)
+    assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(lse)).all()
+    np.testing.assert_allclose(out, want_out, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5)
+
+
+def test_partitioned_over_batch_and_heads_on_a_mesh():
+    """Sharded over data x tensor, each device runs its own rows and heads; same numbers."""
+    mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2), ("data", "tensor"))
+    sharding = NamedSharding(mesh, PartitionSpec("data", None, "tensor", None))
+    q, k, v, g = random_inputs((4, 40, 4, 16), seed=3)
+    args = [jax.device_put(a, sharding) for a in (q, k, v)]
+
+    def loss(q, k, v):
+        return jnp.vdot(cpu_causal_attention(q, k, v), g)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    hlo = step.lower(*args).compile().as_text()
+    kernel_calls = [line for line in hlo.splitlines() if "postnorm_causal_attention" in line]
+    assert len(kernel_calls) == 2 and all("f32[2,40,2,16]" in c for c in kernel_calls)
+    value, grads = step(*args)
+    want_value, want_grads = jax.value_and_grad(
+        lambda q, k, v: jnp.vdot(jnp_attention(q, k, v), g), argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(value, want_value, rtol=1e-5)
+    for got, want in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
+def _forward_kernel_calls(policy) -> int:
+    """Forward-kernel calls in the compiled gradient of a scanned, checkpointed 2-layer stack."""
+    def layer(x_BxLxD, w_3xDxD):
+        q, k, v = ((x_BxLxD @ w).reshape(2, 32, 2, 8) for w in w_3xDxD)
+        return jnp.tanh(cpu_causal_attention(q, k, v).reshape(2, 32, 16)) + x_BxLxD
+
+    def loss(x_BxLxD, w_Nx3xDxD):
+        body = jax.checkpoint(layer, policy=policy)
+        return jnp.sum(jax.lax.scan(lambda x, w: (body(x, w), None), x_BxLxD, w_Nx3xDxD)[0] ** 2)
+
+    hlo = jax.jit(jax.grad(loss, argnums=1)).lower(
+        jnp.ones((2, 32, 16)), jnp.ones((2, 3, 16, 16)) * 0.1).compile().as_text()
+    return hlo.count('custom_call_target="postnorm_causal_attention_fwd"')
+
+
+@pytest.mark.parametrize("remat", ["full", "dots", "dots_no_batch"])
+def test_remat_policies_keep_the_kernel_residuals(remat):
+    """Saving nothing reruns the forward kernel in the backward loop; the model's policies
+    keep its output and log-sum-exp instead, so it runs once."""
+    assert _forward_kernel_calls(jax.checkpoint_policies.nothing_saveable) == 2
+    assert _forward_kernel_calls(REMAT_POLICIES[remat]) == 1
+
+
+def test_build_is_reused_and_rebuilt_when_the_source_changes(tmp_path):
+    source = tmp_path / "kernel.cc"
+    source.write_text(build.ATTENTION_SOURCE.read_text())
+    first = build.build(source, build_dir=tmp_path / "out")
+    mtime = first.stat().st_mtime_ns
+    assert build.build(source, build_dir=tmp_path / "out") == first
+    assert first.stat().st_mtime_ns == mtime
+    source.write_text(source.read_text() + "\n// changed\n")
+    second = build.build(source, build_dir=tmp_path / "out")
+    assert second != first and second.exists()
+    assert not list((tmp_path / "out").glob("*.partial"))
+
+
+def test_a_missing_compiler_names_the_field_and_the_fix(tmp_path):
+    with pytest.raises(build.KernelBuildError, match="model.attention=blocked"):
+        build.build(compiler=str(tmp_path / "no-such-c++"), build_dir=tmp_path)
+
+
+def test_a_failed_compile_reports_the_compiler_output_and_leaves_no_library(tmp_path):
+    source = tmp_path / "broken.cc"
+    source.write_text("int broken( {\n")
+    with pytest.raises(build.KernelBuildError,
+                       match=r"(?s)broken\.cc.*expected.*model\.attention=blocked"):
+        build.build(source, build_dir=tmp_path / "out")
+    assert not list((tmp_path / "out").iterdir())
+
+
+def test_a_build_directory_that_cannot_be_made_is_named(tmp_path):
+    """Its parent is a file, which no user (root included) can make a directory in."""
+    (tmp_path / "file").write_text("")
+    with pytest.raises(build.KernelBuildError, match=str(tmp_path / "file" / "out")):
+        build.build(build_dir=tmp_path / "file" / "out")
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(dtype="bfloat16"), "model.dtype=float32"),
+    (dict(d_model=48, n_heads=4), r"head dims .* 48/4 = 12"),
+])
+def test_config_errors_name_the_fields(overrides, match):
+    config = get_config()
+    config.model.attention = "cpu"
+    config.model.update(overrides)
+    with pytest.raises(ConfigError, match=match):
+        check_model(config)
+
+
+def test_head_dims_of_the_config_check_are_those_the_kernel_is_built_for():
+    source = build.ATTENTION_SOURCE.read_text()
+    built = sorted(int(n) for n in re.findall(r"case (\d+): \{ constexpr", source))
+    assert built == list(HEAD_DIMS)
+
+
+def test_another_backend_is_refused():
+    config = get_config()
+    config.model.attention = "cpu"
+    with pytest.raises(ConfigError, match="model.attention=xla"):
+        check_backend(config, platform="gpu")
