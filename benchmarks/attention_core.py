@@ -7,14 +7,17 @@ For q, k, v [B, L, H, K] (default: the default config's, 16 x 128 x 4 x 16) it t
 the output and the gradient (dL/dq, dL/dk, dL/dv) of L = <attention(q, k, v), g> for each
 kernel of ``postnorm.layers``: ``blocked:N`` is ``blocked_causal_attention`` with N-row query
 blocks (the model's ``model.attention=blocked``, ``model.attention_block=N``), ``einsum`` one
-block of all rows, ``xla`` ``jax.nn.dot_product_attention``. With ``--torch`` (the default;
-``--notorch`` where PyTorch is not installed) also PyTorch's
+block of all rows, ``xla`` ``jax.nn.dot_product_attention``, ``cpu`` the C++ kernel of
+``postnorm.kernels.causal_attention`` (``model.attention=cpu``; it keeps its forward's output
+and log-sum-exp for the backward, so under remat the step runs it once). With ``--torch``
+(the default; ``--notorch`` where PyTorch is not installed) also PyTorch's
 ``scaled_dot_product_attention(is_causal=True)`` on the same numbers, forward under
 ``no_grad`` and forward with backward.
 
 Every kernel's output and gradients are checked against the einsum kernel's first. The model's
 train step runs this core once forward and, with ``model.remat=full``, once more in the backward
-pass, so its cost there is about ``forward + forward_backward``. Repeats are interleaved; prints
+pass, so its cost there is about ``forward + forward_backward`` (``forward_backward`` alone for
+``cpu``). Repeats are interleaved; prints
 JSON with the median milliseconds per call of each.
 """
 
@@ -29,11 +32,12 @@ from absl import app, flags
 
 from benchmarks.programs import cpu_description
 from benchmarks.timing import interleaved_median_ms
+from postnorm.kernels.causal_attention import cpu_causal_attention
 from postnorm.layers import blocked_causal_attention
 
 flags.DEFINE_string("shape", "16x128x4x16", "B x L x H x K of q, k and v.")
-flags.DEFINE_list("kernels", ["blocked:32", "blocked:64", "einsum", "xla"],
-                  "JAX kernels: blocked:N, einsum, xla.")
+flags.DEFINE_list("kernels", ["cpu", "blocked:32", "blocked:64", "einsum", "xla"],
+                  "JAX kernels: cpu, blocked:N, einsum, xla.")
 flags.DEFINE_bool("torch", True, "Also time PyTorch's scaled_dot_product_attention "
                   "(needs benchmarks/requirements-torch.txt).")
 flags.DEFINE_integer("repeats", 7, "Interleaved repeats.", lower_bound=1)
@@ -48,13 +52,15 @@ def jax_kernel(name: str) -> Attention:
     """``attention(q, k, v)`` -> [B, L, H, K] of a ``--kernels`` entry."""
     if name == "einsum":
         return lambda q, k, v: blocked_causal_attention(q, k, v, q.shape[1])[0]
+    if name == "cpu":
+        return cpu_causal_attention
     if name == "xla":
         return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                             implementation="xla")
     if match := re.fullmatch(r"blocked:([1-9]\d*)", name):
         block = int(match.group(1))
         return lambda q, k, v: blocked_causal_attention(q, k, v, block)[0]
-    raise app.UsageError(f"--kernels: {name!r} is not blocked:N, einsum or xla")
+    raise app.UsageError(f"--kernels: {name!r} is not cpu, blocked:N, einsum or xla")
 
 
 def jax_programs(attention: Attention, g: jax.Array) -> dict[str, Callable]:

@@ -26,7 +26,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.norm_eps = 1e-6
     c.model.rope_base = 10000.0
     c.model.dtype = "float32"  # float32 | bfloat16 (compute dtype; params stay float32)
-    c.model.attention = "blocked"  # einsum | blocked | xla | cudnn (cudnn: GPU, bfloat16 only)
+    # einsum | blocked | xla | cudnn | cpu (cudnn: GPU, bfloat16 only; cpu: the C++ CPU kernel,
+    # float32, compiled on first use with the system's C++ compiler; blocked needs none)
+    c.model.attention = "cpu"
     c.model.attention_block = 32  # query rows per block of the blocked kernel
     c.model.remat = "full"  # none | dots | dots_no_batch | full (what backward keeps per layer)
     # layers per iteration of the scanned layer loop; n_layers unrolls the loop: with remat=none

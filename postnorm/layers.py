@@ -10,9 +10,9 @@ only the keys that block can see, skipping the masked upper triangle of blocks (
 work at n >> block); ``xla`` and ``cudnn`` call ``jax.nn.dot_product_attention`` with that
 implementation (``cudnn``: GPU, bfloat16); ``cpu`` is the C++ kernel of
 ``postnorm.kernels.causal_attention`` (CPU, float32), forward and backward. The diagnostic step's
-attention statistics are per-row, so ``blocked`` collects them block by block; with ``xla``,
-``cudnn`` or ``cpu``, which never expose the probabilities, the diagnostic step uses the
-``einsum`` kernel.
+attention statistics are per-row, so ``blocked`` collects them block by block; ``xla``,
+``cudnn`` and ``cpu`` never expose the probabilities, so there the diagnostic step uses the
+``einsum`` kernel (``blocked`` for ``cpu``).
 """
 
 import flax.linen as nn
@@ -148,8 +148,9 @@ class CausalSelfAttention(nn.Module):
         row_stats = {}
         with jax.named_scope("attn_core"):  # scores, softmax and P·V; named for profiles
             if self.kernel in ("einsum", "blocked") or self.collect_stats:
-                # einsum (and the fallback of xla / cudnn for statistics) is one block of all rows
-                block = self.block if self.kernel == "blocked" else length
+                # einsum (and the fallback of xla / cudnn for statistics) is one block of all
+                # rows; cpu falls back to blocked
+                block = self.block if self.kernel in ("blocked", "cpu") else length
                 out_BxLxHxK, row_stats = blocked_causal_attention(
                     q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, block, self.collect_stats)
             elif self.kernel == "cpu":

@@ -104,11 +104,12 @@ def test_attention_core_checks_every_kernel_against_einsum_and_times_them(torch)
     if torch:
         pytest.importorskip("torch")
     result = run_module("benchmarks.attention_core", "--shape=2x16x2x8",
-                        "--kernels=blocked:4,blocked:16,einsum,xla", "--repeats=1", "--calls=1",
+                        "--kernels=cpu,blocked:4,blocked:16,einsum,xla", "--repeats=1", "--calls=1",
                         "--torch" if torch else "--notorch")
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
-    kernels = ["blocked:4", "blocked:16", "einsum", "xla"] + (["torch_sdpa"] if torch else [])
+    kernels = ["cpu", "blocked:4", "blocked:16", "einsum", "xla"]
+    kernels += ["torch_sdpa"] if torch else []
     assert list(report["median_ms"]) == kernels
     for parts in report["median_ms"].values():
         assert set(parts) == {"forward", "forward_backward"} and min(parts.values()) > 0
@@ -145,7 +146,7 @@ def test_attention_core_check_fails_on_a_wrong_gradient():
     ("benchmarks.attention_core", ["--shape=16x128", "--notorch"], 1,
      "--shape='16x128': expected BxLxHxK, e.g. 16x128x4x16"),
     ("benchmarks.attention_core", ["--kernels=blocked:0", "--notorch"], 1,
-     "--kernels: 'blocked:0' is not blocked:N, einsum or xla"),
+     "--kernels: 'blocked:0' is not cpu, blocked:N, einsum or xla"),
     ("experiments.init_similarity", ["--out_dir=/dev/null/x", "--inputs=gaussian"], 2,
      "postnorm: error: --out_dir='/dev/null/x' cannot be created or written"),
     ("experiments.sweep", ["--sweep=configs/sweeps/stability.py:smoke", "--out_dir=/dev/null"],

@@ -17,6 +17,7 @@ from postnorm.validation import ConfigError, check_backend, check_model
 
 SHAPES = [(2, 37, 3, 4), (1, 64, 2, 16), (3, 50, 2, 32), (1, 19, 1, 128), (16, 128, 4, 16),
           (1, 1, 1, 8)]
+PADDED_SHAPES = [(2, 21, 2, 6), (1, 33, 3, 18)]  # head dims the kernel pads to the next one
 
 
 def numpy_attention(q, k, v):
@@ -54,13 +55,20 @@ def test_forward_and_log_sum_exp_match_numpy(shape):
     np.testing.assert_allclose(lse, want_lse.astype(np.float32), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", SHAPES + PADDED_SHAPES)
 def test_gradients_match_jax_vjp_of_plain_attention(shape):
     q, k, v, g = random_inputs(shape, seed=1)
     _, vjp = jax.vjp(jnp_attention, q, k, v)
     _, kernel_vjp = jax.vjp(cpu_causal_attention, q, k, v)
     for got, want in zip(jax.jit(kernel_vjp)(g), vjp(g), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("shape", PADDED_SHAPES)
+def test_padded_head_dims_match_numpy(shape):
+    q, k, v = random_inputs(shape, seed=4, n=3)
+    np.testing.assert_allclose(jax.jit(cpu_causal_attention)(q, k, v), numpy_attention(q, k, v)[0],
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_large_scores_neither_overflow_nor_lose_the_peak():
@@ -155,7 +163,7 @@ def test_a_build_directory_that_cannot_be_made_is_named(tmp_path):
 
 @pytest.mark.parametrize("overrides,match", [
     (dict(dtype="bfloat16"), "model.dtype=float32"),
-    (dict(d_model=48, n_heads=4), r"head dims .* 48/4 = 12"),
+    (dict(d_model=600, n_heads=2), r"head dims up to 256, but .* 600/2 = 300"),
 ])
 def test_config_errors_name_the_fields(overrides, match):
     config = get_config()

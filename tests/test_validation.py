@@ -28,7 +28,7 @@ CASES = [
     ("model.positions", "alibi", r"must be one of \['rope', 'learned', 'none'\]"),
     ("model.init", "he", "model.init='he' is invalid: must be one of"),
     ("model.dtype", "float16", r"must be one of \['float32', 'bfloat16'\]"),
-    ("model.attention", "flash", r"must be one of \['einsum', 'blocked', 'xla', 'cudnn'\]"),
+    ("model.attention", "flash", r"must be one of \['einsum', 'blocked', 'xla', 'cudnn', 'cpu'\]"),
     ("model.attention_block", 0, POSITIVE_INT),
     ("model.scan_unroll", 0, POSITIVE_INT),
     ("model.attention", "cudnn", "needs model.dtype='bfloat16'"),

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from postnorm.kernels.build import register_attention_kernels
 
-HEAD_DIMS = (4, 8, 16, 32, 64, 128, 256)  # the head dimensions the kernel is instantiated for
+HEAD_DIMS = (4, 8, 16, 32, 64, 128, 256)  # the head dims the kernel is instantiated for
 KERNEL_RESIDUALS = ("attention_kernel_out", "attention_kernel_lse")
 HEADS_LAYOUT = "b l h k"  # q, k, v, out and their gradients: [B, L, H, K]
 LSE_LAYOUT = "b h l"  # the log-sum-exp: [B, H, L]
@@ -80,10 +80,28 @@ _backward = _batch_and_head_partitioned(
     _ffi_backward, (HEADS_LAYOUT,) * 4 + (LSE_LAYOUT, HEADS_LAYOUT), (HEADS_LAYOUT,) * 3)
 
 
-@jax.custom_vjp
 def cpu_causal_attention(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax.Array
                          ) -> jax.Array:
-    """softmax(q k^T / sqrt(K), causal) v per head, float32 [B, L, H, K] in and out."""
+    """softmax(q k^T / sqrt(K), causal) v per head, float32 [B, L, H, K] in and out.
+
+    A head dimension the kernel is not built for (``HEAD_DIMS``; at most the largest) is
+    zero-padded to the next one, with q rescaled so the scores keep their 1/sqrt(K).
+    """
+    head_dim = q_BxLxHxK.shape[-1]
+    if head_dim > HEAD_DIMS[-1]:
+        raise ValueError(f"the CPU attention kernel takes head dims up to {HEAD_DIMS[-1]}, "
+                         f"not {head_dim}")
+    padded = next(d for d in HEAD_DIMS if d >= head_dim)
+    if padded == head_dim:
+        return _attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)
+    widths = ((0, 0),) * 3 + ((0, padded - head_dim),)
+    q_BxLxHxP = jnp.pad(q_BxLxHxK * jnp.sqrt(padded / head_dim), widths)
+    out_BxLxHxP = _attention(q_BxLxHxP, jnp.pad(k_BxLxHxK, widths), jnp.pad(v_BxLxHxK, widths))
+    return out_BxLxHxP[..., :head_dim]
+
+
+@jax.custom_vjp
+def _attention(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax.Array) -> jax.Array:
     return _forward(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)[0]
 
 
@@ -98,4 +116,4 @@ def _vjp_backward(residuals, d_out_BxLxHxK):
     return tuple(_backward(*residuals, d_out_BxLxHxK))
 
 
-cpu_causal_attention.defvjp(_vjp_forward, _vjp_backward)
+_attention.defvjp(_vjp_forward, _vjp_backward)
