@@ -101,7 +101,8 @@ void scatter_transposed(const float* src_t, const Shape& s, int64_t b, int64_t h
   }
 }
 
-// out^T[j, lane] = sum_d rows[j, d] * cols_t[d, i0 + lane] for keys j < n_keys, with the
+// out^T[j, lane] = sum_d rows[j, d] * cols_t[d, i0 + lane] for keys j < n_keys (a multiple of
+// W), with the
 // causal mask (j > i0 + lane) applied on the diagonal block when `mask` is set.
 template <int K>
 void products_t(const float* rows, const float* cols_t, int64_t padded, int64_t i0,
@@ -109,22 +110,16 @@ void products_t(const float* rows, const float* cols_t, int64_t padded, int64_t 
   Vec c[K];
   for (int d = 0; d < K; ++d) c[d] = load(cols_t + d * padded + i0);
   constexpr int kKeys = 8;  // independent accumulators, enough to hide the FMA latency
-  int64_t j = 0;
-  for (; j + kKeys <= n_keys; j += kKeys) {
+  for (int64_t j = 0; j < n_keys; j += kKeys) {
     Vec a[kKeys] = {};
     for (int d = 0; d < K; ++d)
       for (int jj = 0; jj < kKeys; ++jj) a[jj] += rows[(j + jj) * K + d] * c[d];
     for (int jj = 0; jj < kKeys; ++jj) store(out_t + (j + jj) * W, a[jj]);
   }
-  for (; j < n_keys; ++j) {
-    Vec a{};
-    for (int d = 0; d < K; ++d) a += rows[j * K + d] * c[d];
-    store(out_t + j * W, a);
-  }
   if (mask) {
     IVec lane;
     for (int l = 0; l < W; ++l) lane[l] = l;
-    for (j = i0; j < n_keys; ++j) {
+    for (int64_t j = i0; j < n_keys; ++j) {
       const IVec hidden = lane < static_cast<int32_t>(j - i0);
       store(out_t + j * W, hidden ? splat(kMasked) : load(out_t + j * W));
     }
@@ -146,31 +141,26 @@ void weighted_sum_t(const float* rows, const float* weights_t, int64_t n_keys, i
   }
 }
 
-// out[j, :] += sum_lane weights_t[j, lane] * rows[i0 + lane, :] for j < n_keys.
+// out[j, :] += sum_lane weights_t[j, lane] * rows[i0 + lane, :] for j < n_keys (a multiple of
+// W), 16 columns of the rows at a time so the accumulators stay in registers.
 template <int K>
 void accumulate_rows(const float* weights_t, const float* rows, int64_t i0, int64_t n_keys,
                      float* out) {
   constexpr int kKeys = 8;
-  int64_t j = 0;
-  for (; j + kKeys <= n_keys; j += kKeys) {
-    float a[kKeys][K] = {};
-    for (int l = 0; l < W; ++l) {
-      const float* r = rows + (i0 + l) * K;
-      for (int jj = 0; jj < kKeys; ++jj) {
-        const float w = weights_t[(j + jj) * W + l];
-        for (int d = 0; d < K; ++d) a[jj][d] += w * r[d];
+  constexpr int kChunk = K < 16 ? K : 16;
+  for (int64_t j = 0; j < n_keys; j += kKeys) {
+    for (int d0 = 0; d0 < K; d0 += kChunk) {
+      float a[kKeys][kChunk] = {};
+      for (int l = 0; l < W; ++l) {
+        const float* r = rows + (i0 + l) * K + d0;
+        for (int jj = 0; jj < kKeys; ++jj) {
+          const float w = weights_t[(j + jj) * W + l];
+          for (int d = 0; d < kChunk; ++d) a[jj][d] += w * r[d];
+        }
       }
+      for (int jj = 0; jj < kKeys; ++jj)
+        for (int d = 0; d < kChunk; ++d) out[(j + jj) * K + d0 + d] += a[jj][d];
     }
-    for (int jj = 0; jj < kKeys; ++jj)
-      for (int d = 0; d < K; ++d) out[(j + jj) * K + d] += a[jj][d];
-  }
-  for (; j < n_keys; ++j) {
-    float a[K] = {};
-    for (int l = 0; l < W; ++l) {
-      const float w = weights_t[j * W + l];
-      for (int d = 0; d < K; ++d) a[d] += w * rows[(i0 + l) * K + d];
-    }
-    for (int d = 0; d < K; ++d) out[j * K + d] += a[d];
   }
 }
 
