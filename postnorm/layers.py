@@ -10,9 +10,9 @@ only the keys that block can see, skipping the masked upper triangle of blocks (
 work at n >> block); ``xla`` and ``cudnn`` call ``jax.nn.dot_product_attention`` with that
 implementation (``cudnn``: GPU, bfloat16); ``cpu`` is the C++ kernel of
 ``postnorm.kernels.causal_attention`` (CPU, float32), forward and backward. The diagnostic step's
-attention statistics are per-row, so ``blocked`` collects them block by block; ``xla``,
-``cudnn`` and ``cpu`` never expose the probabilities, so there the diagnostic step uses the
-``einsum`` kernel (``blocked`` for ``cpu``).
+attention statistics are per-row, so ``blocked`` collects them block by block and ``cpu``
+computes them in its forward; ``xla`` and ``cudnn`` never expose the probabilities, so with
+them the diagnostic step uses the ``einsum`` kernel.
 """
 
 import flax.linen as nn
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from postnorm.diagnostics import attention_row_stats, mean_attention_stats
 from postnorm.initializers import kernel_init
-from postnorm.kernels.causal_attention import cpu_causal_attention
+from postnorm.kernels.causal_attention import cpu_causal_attention, cpu_causal_attention_with_stats
 
 ATTENTION_KERNELS = ("einsum", "blocked", "xla", "cudnn", "cpu")
 
@@ -147,14 +147,16 @@ class CausalSelfAttention(nn.Module):
             k_BxLxHxK = rotary_embedding(k_BxLxHxK, self.rope_base)
         row_stats = {}
         with jax.named_scope("attn_core"):  # scores, softmax and P·V; named for profiles
-            if self.kernel in ("einsum", "blocked") or self.collect_stats:
-                # einsum (and the fallback of xla / cudnn for statistics) is one block of all
-                # rows; cpu falls back to blocked
-                block = self.block if self.kernel in ("blocked", "cpu") else length
-                out_BxLxHxK, row_stats = blocked_causal_attention(
-                    q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, block, self.collect_stats)
+            if self.kernel == "cpu" and self.collect_stats:
+                out_BxLxHxK, row_stats = cpu_causal_attention_with_stats(q_BxLxHxK, k_BxLxHxK,
+                                                                         v_BxLxHxK)
             elif self.kernel == "cpu":
                 out_BxLxHxK = cpu_causal_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)
+            elif self.kernel in ("einsum", "blocked") or self.collect_stats:
+                # einsum (and the fallback of xla / cudnn for statistics) is one block of all rows
+                block = self.block if self.kernel == "blocked" else length
+                out_BxLxHxK, row_stats = blocked_causal_attention(
+                    q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, block, self.collect_stats)
             else:
                 out_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK,
                                                            is_causal=True,

@@ -11,7 +11,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from configs.default import get_config
 from postnorm.kernels import build
-from postnorm.kernels.causal_attention import HEAD_DIMS, _forward, cpu_causal_attention
+from postnorm.kernels.causal_attention import (
+    HEAD_DIMS,
+    _forward,
+    cpu_causal_attention,
+    cpu_causal_attention_with_stats,
+)
 from postnorm.model import REMAT_POLICIES
 from postnorm.validation import ConfigError, check_backend, check_model
 
@@ -69,6 +74,40 @@ def test_padded_head_dims_match_numpy(shape):
     q, k, v = random_inputs(shape, seed=4, n=3)
     np.testing.assert_allclose(jax.jit(cpu_causal_attention)(q, k, v), numpy_attention(q, k, v)[0],
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(2, 37, 3, 4), (1, 64, 2, 16), (1, 33, 3, 18)])
+@pytest.mark.parametrize("sharpness", [1.0, 30.0])
+def test_row_statistics_match_numpy(shape, sharpness):
+    """Entropy, KL and TV from uniform of every row, from diffuse to nearly one-hot rows."""
+    q, k, v = random_inputs(shape, seed=5, n=3)
+    q = q * sharpness
+    out, stats = jax.jit(cpu_causal_attention_with_stats)(q, k, v)
+    want_out, lse = numpy_attention(q, k, v)
+    scores = np.einsum("blhk,bmhk->bhlm", q.astype(np.float64), k) / np.sqrt(shape[-1])
+    length = shape[1]
+    visible = np.tril(np.ones((length, length), bool))
+    probs = np.where(visible, np.exp(np.where(visible, scores, 0) - lse[..., None]), 0.0)
+    entropy = -np.sum(np.where(probs > 0, probs * np.log(np.where(probs > 0, probs, 1)), 0), -1)
+    row_len = np.arange(1, length + 1)
+    tv = 0.5 * np.sum(np.abs(probs - np.where(visible, 1 / row_len[:, None], 0)), -1)
+    np.testing.assert_allclose(out, want_out, rtol=1e-4, atol=1e-4)  # float32 scores up to 1e3
+    np.testing.assert_allclose(stats["attn_entropy"], entropy, rtol=1e-4, atol=2e-5)
+    np.testing.assert_allclose(stats["attn_kl_uniform"], np.log(row_len) - entropy, atol=3e-5)
+    np.testing.assert_allclose(stats["attn_tv_uniform"], tv, rtol=1e-4, atol=2e-5)
+
+
+def test_the_statistics_variant_has_the_same_gradients():
+    q, k, v, g = random_inputs((2, 40, 2, 16), seed=6)
+
+    def loss(attention):
+        return lambda q, k, v: jnp.vdot(attention(q, k, v), g)
+
+    plain = jax.grad(loss(cpu_causal_attention), argnums=(0, 1, 2))(q, k, v)
+    with_stats = jax.grad(loss(lambda *qkv: cpu_causal_attention_with_stats(*qkv)[0]),
+                          argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(with_stats, plain, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_large_scores_neither_overflow_nor_lose_the_peak():

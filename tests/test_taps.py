@@ -22,9 +22,9 @@ SPEC = dict(vocab_size=40, max_len=16, n_layers=3, d_model=16, n_heads=4, d_ff=2
 
 
 KERNELS = {"einsum": {}, "blocked": dict(attention="blocked", attention_block=5),
-           # as configs/default.py runs it: RoPE, blocked attention, full rematerialisation
-           "default": dict(attention="blocked", attention_block=5, positions="rope",
-                           remat="full")}
+           "cpu": dict(attention="cpu"),
+           # as configs/default.py runs it: RoPE, the CPU kernel, full rematerialisation
+           "default": dict(attention="cpu", positions="rope", remat="full")}
 # Both placements with the einsum kernel; the blocked kernel (which shares the placement code)
 # with Post-Norm, to keep the suite's compile time down.
 NORMS_AND_KERNELS = [("post", "einsum"), ("pre", "einsum"), ("post", "blocked")]
@@ -251,16 +251,16 @@ def test_forward_statistics_match_numpy_on_the_reference_forward(norm, kernel):
     np.testing.assert_allclose(stats["tsim_final"], numpy_tsim(x), rtol=2e-5)
 
 
-def test_blocked_kernel_gives_the_einsum_kernels_statistics():
-    """Blocks of 5 query rows over n = 16 (5, 5, 5, 1): every per-layer statistic, attention
-    entropy, KL and TV included, matches the materialised-probabilities kernel's (Post-Norm;
-    the kernel does not depend on the placement)."""
-    batch_stats = {kernel: flatten_diagnostics(diag_step_of("post", kernel)[2])
-                   for kernel in KERNELS}
-    einsum, blocked = batch_stats["einsum"], batch_stats["blocked"]
-    assert set(blocked) == set(einsum) and "diag/attn_tv_uniform/layer_02" in einsum
+@pytest.mark.parametrize("kernel", ["blocked", "cpu"])
+def test_the_blocked_and_cpu_kernels_give_the_einsum_kernels_statistics(kernel):
+    """Every per-layer statistic, attention entropy, KL and TV included, matches the
+    materialised-probabilities kernel's: blocks of 5 query rows over n = 16 (5, 5, 5, 1), and
+    the C++ kernel's own statistics (Post-Norm; the kernels do not depend on the placement)."""
+    einsum = flatten_diagnostics(diag_step_of("post", "einsum")[2])
+    other = flatten_diagnostics(diag_step_of("post", kernel)[2])
+    assert set(other) == set(einsum) and "diag/attn_tv_uniform/layer_02" in einsum
     for key, value in einsum.items():
-        np.testing.assert_allclose(blocked[key], value, rtol=2e-4, atol=1e-6, err_msg=key)
+        np.testing.assert_allclose(other[key], value, rtol=2e-4, atol=1e-6, err_msg=key)
 
 
 @pytest.mark.parametrize("norm", ["post", "pre"])

@@ -24,6 +24,7 @@ ATTENTION_SOURCE = KERNEL_DIR / "causal_attention_cpu.cc"
 COMPILERS = ("c++", "g++", "clang++")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 FFI_TARGETS = {"postnorm_causal_attention_fwd": "PostnormCausalAttentionForward",
+               "postnorm_causal_attention_fwd_stats": "PostnormCausalAttentionForwardStats",
                "postnorm_causal_attention_bwd": "PostnormCausalAttentionBackward"}
 
 _registered: set[str] = set()

@@ -2,7 +2,8 @@
 //
 // q, k, v, o, do, dq, dk, dv: float32 [B, L, H, K], row-major; lse: float32 [B, H, L], the
 // log-sum-exp of each query row's scaled, masked scores (what the backward needs to rebuild
-// the probabilities without a second softmax). Scores are q.k / sqrt(K); key j is visible to
+// the probabilities without a second softmax). The forward with statistics also returns each
+// row's attention entropy and total variation distance from uniform, [B, H, L]. Scores are q.k / sqrt(K); key j is visible to
 // query i when j <= i.
 //
 // Each (b, h) head is one work item, run on XLA's intra-op thread pool. Within a head the
@@ -197,30 +198,65 @@ struct Scratch {
         scores_t(s.padded * W), extra_t(s.padded * W) {}
 };
 
+// Per query row, the statistics of the diagnostic step (postnorm.diagnostics.
+// attention_row_stats): the entropy of its attention and the total variation distance from
+// uniform attention over its i visible keys. Null pointers skip them.
+struct RowStats {
+  float* entropy = nullptr;  // [B, H, L]
+  float* tv_uniform = nullptr;  // [B, H, L]
+};
+
 template <int K>
 void forward_head(const Shape& s, int64_t b, int64_t h, const float* q, const float* k,
-                  const float* v, float* o, float* lse) {
+                  const float* v, float* o, float* lse, RowStats stats) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(K));
   Scratch t(s);
   gather(q, s, b, h, scale, /*transposed=*/true, t.q_t.data());
   gather(k, s, b, h, 1.0f, false, t.k.data());
   gather(v, s, b, h, 1.0f, false, t.v.data());
   std::vector<float> o_t(K * s.padded);
-  float* lse_row = lse + (b * s.heads + h) * s.length;
+  const int64_t row0 = (b * s.heads + h) * s.length;
+  IVec lane;
+  for (int l = 0; l < W; ++l) lane[l] = l;
   for (int64_t i0 = 0; i0 < s.padded; i0 += W) {
     const int64_t n_keys = i0 + W;
     float* p_t = t.scores_t.data();
     products_t<K>(t.k.data(), t.q_t.data(), s.padded, i0, n_keys, /*mask=*/true, p_t);
     Vec m = splat(kMasked);
     for (int64_t j = 0; j < n_keys; ++j) m = vmax(m, load(p_t + j * W));
-    Vec total{};
+    Vec total{}, weighted_log{};  // sum_j e_j and sum_j e_j (s_j - m), e_j = exp(s_j - m)
     for (int64_t j = 0; j < n_keys; ++j) {
-      const Vec p = vexp(load(p_t + j * W) - m);
+      const Vec shifted = load(p_t + j * W) - m;
+      const Vec p = vexp(shifted);
       store(p_t + j * W, p);
       total += p;
+      if (stats.entropy) weighted_log += p * shifted;
     }
-    weighted_sum_t<K>(t.v.data(), p_t, n_keys, s.padded, i0, 1.0f / total, o_t.data());
-    for (int l = 0; l < W && i0 + l < s.length; ++l) lse_row[i0 + l] = m[l] + std::log(total[l]);
+    const Vec inv_total = 1.0f / total;
+    weighted_sum_t<K>(t.v.data(), p_t, n_keys, s.padded, i0, inv_total, o_t.data());
+    Vec entropy{}, tv{};
+    if (stats.entropy) {
+      // H = log(total) - sum_j p_j (s_j - m); TV = 1/2 sum_{j <= i} |p_j - 1/(i + 1)|
+      const Vec uniform = 1.0f / __builtin_convertvector(lane + static_cast<int32_t>(i0 + 1), Vec);
+      for (int64_t j = 0; j < i0; ++j) {
+        const Vec d = load(p_t + j * W) * inv_total - uniform;
+        tv += d > 0 ? d : -d;
+      }
+      for (int64_t j = i0; j < n_keys; ++j) {
+        const Vec d = load(p_t + j * W) * inv_total - uniform;
+        const IVec visible = lane >= static_cast<int32_t>(j - i0);
+        tv += visible ? (d > 0 ? d : -d) : splat(0.0f);
+      }
+      entropy = -weighted_log * inv_total;
+    }
+    for (int l = 0; l < W && i0 + l < s.length; ++l) {
+      const float log_total = std::log(total[l]);
+      lse[row0 + i0 + l] = m[l] + log_total;
+      if (stats.entropy) {
+        stats.entropy[row0 + i0 + l] = entropy[l] + log_total;
+        stats.tv_uniform[row0 + i0 + l] = 0.5f * tv[l];
+      }
+    }
   }
   scatter_transposed(o_t.data(), s, b, h, 1.0f, o);
 }
@@ -287,16 +323,29 @@ ffi::Error for_each_head(ffi::ThreadPool& pool, const Shape& s, const Head& head
           "causal_attention_cpu: head dimension must be 4, 8, 16, 32, 64, 128 or 256");  \
   }
 
-ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                   ffi::Buffer<ffi::F32> v, ffi::ResultBuffer<ffi::F32> o,
-                   ffi::ResultBuffer<ffi::F32> lse) {
+ffi::Error ForwardWithStats(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q,
+                            ffi::Buffer<ffi::F32>& k, ffi::Buffer<ffi::F32>& v, float* op,
+                            float* lp, RowStats stats) {
   if (q.dimensions().size() != 4) return ffi::Error::InvalidArgument("q must be [B, L, H, K]");
   const Shape s = shape_of(q.dimensions());
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
-  float *op = o->typed_data(), *lp = lse->typed_data();
   POSTNORM_DISPATCH_HEAD_DIM(s.head_dim, return for_each_head(pool, s, [&](int64_t b, int64_t h) {
-    forward_head<K>(s, b, h, qp, kp, vp, op, lp);
+    forward_head<K>(s, b, h, qp, kp, vp, op, lp, stats);
   }))
+}
+
+ffi::Error Forward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                   ffi::Buffer<ffi::F32> v, ffi::ResultBuffer<ffi::F32> o,
+                   ffi::ResultBuffer<ffi::F32> lse) {
+  return ForwardWithStats(pool, q, k, v, o->typed_data(), lse->typed_data(), RowStats{});
+}
+
+ffi::Error ForwardStats(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                        ffi::Buffer<ffi::F32> v, ffi::ResultBuffer<ffi::F32> o,
+                        ffi::ResultBuffer<ffi::F32> lse, ffi::ResultBuffer<ffi::F32> entropy,
+                        ffi::ResultBuffer<ffi::F32> tv_uniform) {
+  return ForwardWithStats(pool, q, k, v, o->typed_data(), lse->typed_data(),
+                          RowStats{entropy->typed_data(), tv_uniform->typed_data()});
 }
 
 ffi::Error Backward(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
@@ -321,6 +370,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PostnormCausalAttentionForward, Forward,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PostnormCausalAttentionForwardStats, ForwardStats,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
