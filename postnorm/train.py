@@ -61,7 +61,7 @@ from postnorm.run_config import (
 from postnorm.run_data import check_run_data, data_info_path
 from postnorm.sharding import batch_sharding, make_mesh
 from postnorm.step_builder import CompiledSteps, compile_steps
-from postnorm.validation import check_config, check_vocab_layout
+from postnorm.validation import ConfigError, check_config, check_vocab_layout
 from postnorm.workdir_lock import WorkdirLock
 from postnorm.xla_options import compiler_options
 
@@ -187,6 +187,16 @@ def _stop_together(check: Callable[[], None],
         raise elsewhere()
 
 
+def _check_config_everywhere(config: ml_collections.ConfigDict) -> None:
+    """``check_config`` on every process, agreed on: part of it depends on the host (the
+    backend, and the C++ kernel that ``model.attention=cpu`` builds there)."""
+    _stop_together(
+        lambda: check_config(config, device_count=jax.device_count(),
+                             process_count=jax.process_count()),
+        lambda: ConfigError("another process found the config unusable on its host when this "
+                            "run started: its log says why"))
+
+
 def _data_failed_elsewhere() -> DataError:
     return DataError("another process could not load the data when this run started: its log "
                      "says why")
@@ -205,7 +215,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     Raises ``Preempted`` after checkpointing on SIGTERM, and ``NonFiniteError`` when a
     non-finite step stops the run (policy ``abort``, or ``rollback`` out of rollbacks).
     """
-    check_config(config, device_count=jax.device_count(), process_count=jax.process_count())
+    _check_config_everywhere(config)
     use_compilation_cache(config.runtime.compilation_cache_dir)
     compiler_options(config.runtime.xla_options)  # an option XLA does not know: before the workdir
     workdir = os.path.abspath(os.path.expanduser(workdir))
@@ -477,7 +487,7 @@ def require_checkpoint(workdir: str) -> None:
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> float:
     """Restore the latest checkpoint of ``workdir`` and evaluate it on the validation split."""
-    check_config(config, device_count=jax.device_count(), process_count=jax.process_count())
+    _check_config_everywhere(config)
     use_compilation_cache(config.runtime.compilation_cache_dir)
     workdir = os.path.abspath(os.path.expanduser(workdir))
     _stop_together(lambda: check_eval_config(workdir, config))

@@ -21,7 +21,7 @@ from postnorm.model import REMAT_POLICIES
 from postnorm.validation import ConfigError, check_backend, check_model
 
 SHAPES = [(2, 37, 3, 4), (1, 64, 2, 16), (3, 50, 2, 32), (1, 19, 1, 128), (16, 128, 4, 16),
-          (1, 1, 1, 8)]
+          (1, 1, 1, 8), (2, 24, 2, 64), (1, 17, 1, 256)]
 PADDED_SHAPES = [(2, 21, 2, 6), (1, 33, 3, 18)]  # head dims the kernel pads to the next one
 
 
@@ -121,6 +121,16 @@ def test_large_scores_neither_overflow_nor_lose_the_peak():
     np.testing.assert_allclose(lse, want_lse, rtol=1e-5)
 
 
+def test_a_nan_reaches_the_rows_that_see_it():
+    """A NaN in one key makes every query row that attends to it NaN, and no other row."""
+    q, k, v = random_inputs((1, 40, 2, 16), seed=7, n=3)
+    k[0, 20, 1, 3] = np.nan
+    out, lse = jax.jit(_forward)(q, k, v)
+    out, lse = np.asarray(out), np.asarray(lse)
+    assert np.isnan(out[0, 20:, 1]).all() and np.isnan(lse[0, 1, 20:]).all()
+    assert np.isfinite(out[0, :20, 1]).all() and np.isfinite(out[0, :, 0]).all()
+
+
 def test_partitioned_over_batch_and_heads_on_a_mesh():
     """Sharded over data x tensor, each device runs its own rows and heads; same numbers."""
     mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(2, 2), ("data", "tensor"))
@@ -177,6 +187,7 @@ def test_build_is_reused_and_rebuilt_when_the_source_changes(tmp_path):
     second = build.build(source, build_dir=tmp_path / "out")
     assert second != first and second.exists()
     assert not list((tmp_path / "out").glob("*.partial"))
+    assert second.stat().st_mode & 0o777 == 0o755  # loadable by other users of the checkout
 
 
 def test_a_missing_compiler_names_the_field_and_the_fix(tmp_path):
@@ -190,7 +201,7 @@ def test_a_failed_compile_reports_the_compiler_output_and_leaves_no_library(tmp_
     with pytest.raises(build.KernelBuildError,
                        match=r"(?s)broken\.cc.*expected.*model\.attention=blocked"):
         build.build(source, build_dir=tmp_path / "out")
-    assert not list((tmp_path / "out").iterdir())
+    assert not list((tmp_path / "out").glob("*.so*"))
 
 
 def test_a_build_directory_that_cannot_be_made_is_named(tmp_path):

@@ -113,8 +113,10 @@ def test_gradient_stats_decompose_the_norm():
     assert repair_sq < 1e-10 * mean_sq
 
 
-@pytest.mark.parametrize(("norm", "kernel"), NORMS_AND_KERNELS)
+@pytest.mark.parametrize(("norm", "kernel"), [*NORMS_AND_KERNELS, ("post", "default")])
 def test_diag_step_makes_the_same_update_bitwise(norm, kernel):
+    """Also with the default config's C++ kernel, whose diagnostic step calls its forward with
+    statistics instead of the plain forward."""
     _, model, params, inputs, targets = setup(norm, kernel=kernel)
     state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(1e-3))
     plain, plain_metrics = jax.jit(train_step, static_argnums=2)(

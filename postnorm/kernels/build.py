@@ -3,10 +3,12 @@
 The shared library is built with ``-O3 -march=native`` into ``postnorm/kernels/_build/``, named
 by a hash of everything that goes into it, so a changed source, compiler, jaxlib or CPU builds
 a new one and an unchanged one is loaded as it is. It is compiled to a temporary name and
-renamed, so processes building at once never load a half-written file.
+renamed, under a lock on ``_build/.lock``, so processes starting at once compile it once and
+never load a half-written file.
 """
 
 import ctypes
+import fcntl
 import hashlib
 import os
 import platform
@@ -77,28 +79,49 @@ def build(source: Path = ATTENTION_SOURCE, compiler: str | None = None,
         return library
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
-        fd, partial = tempfile.mkstemp(dir=build_dir, suffix=".so.partial")
-        os.close(fd)
+        lock = open(build_dir / ".lock", "w")  # noqa: SIM115 (held for the whole build)
     except OSError as err:
         raise KernelBuildError(f"model.attention='cpu' builds its kernel in {build_dir}, which "
                                f"is not writable ({err}); make it writable or set "
                                "model.attention=blocked") from err
-    command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", partial]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        os.unlink(partial)
-        raise KernelBuildError(f"compiling {source} failed ({' '.join(command)}):\n"
-                               f"{result.stderr.strip()[-2000:]}\nset model.attention=blocked "
-                               "to train without it")
-    os.replace(partial, library)
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # processes starting at once compile it once
+        if not library.exists():
+            _compile(source, compiler, library)
     return library
+
+
+def _compile(source: Path, compiler: str, library: Path) -> None:
+    """Compile to a temporary file and rename it, readable by every user, to ``library``."""
+    fd, partial = tempfile.mkstemp(dir=library.parent, suffix=".so.partial")
+    os.close(fd)
+    command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", partial]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise KernelBuildError(f"compiling {source} failed ({' '.join(command)}):\n"
+                                   f"{result.stderr.strip()[-2000:]}\nset "
+                                   "model.attention=blocked to train without it")
+        os.chmod(partial, 0o755)  # mkstemp made it private to this user
+        os.replace(partial, library)
+    except OSError as err:
+        raise KernelBuildError(f"compiling {source} with {compiler} failed ({err}); set "
+                               "model.attention=blocked to train without it") from err
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
 
 
 def register_attention_kernels(compiler: str | None = None) -> None:
     """Build (if needed) and register the CPU attention kernel's FFI targets, once a process."""
     if set(FFI_TARGETS) <= _registered:
         return
-    library = ctypes.cdll.LoadLibrary(str(build(ATTENTION_SOURCE, compiler)))
+    path = build(ATTENTION_SOURCE, compiler)
+    try:
+        library = ctypes.cdll.LoadLibrary(str(path))
+    except OSError as err:
+        raise KernelBuildError(f"loading {path} failed ({err}); delete it to rebuild it, or set "
+                               "model.attention=blocked") from err
     for target, symbol in FFI_TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
                                     platform="cpu")

@@ -3,8 +3,9 @@ backward.
 
 The forward returns the output and each query row's log-sum-exp; the backward rebuilds the
 probabilities from them, so no [L, L] array is kept between the two. Both are checkpoint-named
-(``KERNEL_RESIDUALS``): a remat policy that saves them (``postnorm.model.REMAT_POLICIES`` all
-do) keeps the backward pass from running the forward kernel a second time.
+(``KERNEL_RESIDUALS``): a remat policy that saves them (every policy of
+``postnorm.model.REMAT_POLICIES``; ``none`` keeps everything anyway) keeps the backward pass
+from running the forward kernel a second time.
 
 Heads are independent, so both calls are partitioned over the batch and head axes
 (``custom_partitioning``): on a mesh, each device runs the kernel on its own batch rows and

@@ -42,7 +42,8 @@ inline Vec load(const float* p) {
 
 inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof(Vec)); }
 
-inline Vec vmax(Vec a, Vec b) { return a > b ? a : b; }
+// The larger of a and b, and NaN where a is NaN, so a NaN score reaches the output.
+inline Vec vmax(Vec a, Vec b) { return (a > b) | (a != a) ? a : b; }
 
 // exp(x) for x <= 0 to float32 precision (range reduction by ln 2, degree-6 polynomial);
 // 0 below -87, where float32's exp underflows.
@@ -103,8 +104,7 @@ void scatter_transposed(const float* src_t, const Shape& s, int64_t b, int64_t h
 }
 
 // out^T[j, lane] = sum_d rows[j, d] * cols_t[d, i0 + lane] for keys j < n_keys (a multiple of
-// W), with the
-// causal mask (j > i0 + lane) applied on the diagonal block when `mask` is set.
+// W), with the causal mask (j > i0 + lane) applied on the diagonal block when `mask` is set.
 template <int K>
 void products_t(const float* rows, const float* cols_t, int64_t padded, int64_t i0,
                 int64_t n_keys, bool mask, float* out_t) {
@@ -192,15 +192,15 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, const F& body) {
 
 // Per-head scratch: the gathered inputs and one query block's transposed scores.
 struct Scratch {
-  std::vector<float> q_t, k, v, scores_t, extra_t;
+  std::vector<float> q_t, k, v, scores_t;
   explicit Scratch(const Shape& s)
       : q_t(s.head_dim * s.padded), k(s.padded * s.head_dim), v(s.padded * s.head_dim),
-        scores_t(s.padded * W), extra_t(s.padded * W) {}
+        scores_t(s.padded * W) {}
 };
 
 // Per query row, the statistics of the diagnostic step (postnorm.diagnostics.
 // attention_row_stats): the entropy of its attention and the total variation distance from
-// uniform attention over its i visible keys. Null pointers skip them.
+// uniform attention over its i visible keys. Left null (both), they are not computed.
 struct RowStats {
   float* entropy = nullptr;  // [B, H, L]
   float* tv_uniform = nullptr;  // [B, H, L]
@@ -270,7 +270,8 @@ void backward_head(const Shape& s, int64_t b, int64_t h, const float* q, const f
   gather(q, s, b, h, scale, /*transposed=*/true, t.q_t.data());
   gather(k, s, b, h, 1.0f, false, t.k.data());
   gather(v, s, b, h, 1.0f, false, t.v.data());
-  std::vector<float> q_rows(s.padded * K), do_t(K * s.padded), do_rows(s.padded * K),
+  std::vector<float> ds_scratch_t(s.padded * W), q_rows(s.padded * K), do_t(K * s.padded),
+      do_rows(s.padded * K),
       o_t(K * s.padded), dq_t(K * s.padded), dk_rows(s.padded * K, 0.0f),
       dv_rows(s.padded * K, 0.0f);
   gather(q, s, b, h, scale, false, q_rows.data());
@@ -284,7 +285,7 @@ void backward_head(const Shape& s, int64_t b, int64_t h, const float* q, const f
     for (int l = 0; l < W && i0 + l < s.length; ++l) lse_v[l] = lse_row[i0 + l];
     for (int d = 0; d < K; ++d) delta += load(&do_t[d * s.padded + i0]) * load(&o_t[d * s.padded + i0]);
     float* p_t = t.scores_t.data();
-    float* ds_t = t.extra_t.data();
+    float* ds_t = ds_scratch_t.data();
     products_t<K>(t.k.data(), t.q_t.data(), s.padded, i0, n_keys, /*mask=*/true, p_t);
     for (int64_t j = 0; j < n_keys; ++j) store(p_t + j * W, vexp(load(p_t + j * W) - lse_v));
     products_t<K>(t.v.data(), do_t.data(), s.padded, i0, n_keys, /*mask=*/false, ds_t);
