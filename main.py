@@ -1,44 +1,25 @@
-"""Entry point: ``python main.py --config configs/default.py[:variant,key=value] --workdir DIR``.
+"""``python main.py --config configs/default.py[:variant,key=value] --workdir DIR [--mode=...]``.
 
-Modes: ``train`` (default; resumes from the latest checkpoint in the workdir, which must have
-been trained with the same config up to the fields ``postnorm.run_config`` lets a resume
-change), ``eval`` (evaluate the latest checkpoint on the validation split; --config must have
-the run's model and data sections), ``plots`` (render the run's figures
-into ``<workdir>/plots``), ``report`` (write a self-contained ``<workdir>/report.html``; the
-config is the run's ``config.json``, else --config) and ``params`` (print the parameter count
-of the config's model without loading data).
-
-Multi-process runs pass ``--coordinator_address HOST:PORT --num_processes N --process_id I``
-to every process (``jax.distributed.initialize`` is called only when they are given).
-
-``runtime.allocator`` (``postnorm.allocator``) may re-execute the command once, with tcmalloc
-preloaded, before anything is computed.
-
-Exit status: 0 when done or preempted (SIGTERM: a checkpoint was saved; rerun to resume), 130
-after a Ctrl-C (the first one saves a checkpoint at the end of the step, as SIGTERM does),
-1 for bad flags, 2 for a config, allocator, compilation cache, data or checkpoint error, a
-workdir that holds another config's run, a missing or damaged ``metrics.jsonl`` or an output
-that cannot be written, 3 when a non-finite step stopped training.
+Modes: train (resumes), eval, plots, report, params; README.md describes each, the multi-process
+flags and the exit statuses.
 """
 
 import os
-import sys
 
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from postnorm import train
-from postnorm.allocator import use_allocator
-from postnorm.config_args import parse_flags
+from postnorm.analysis.figures import plots_after_training, render_run_plots
+from postnorm.analysis.report import write_report
+from postnorm.config import check_fields, config_data, parse_flags
 from postnorm.data.tokenizers import ByteTokenizer, read_user_sentencepiece
-from postnorm.model import ModelSpec, param_count_formula
-from postnorm.nonfinite import NonFiniteError
-from postnorm.plots import render_run_plots
-from postnorm.report import write_report
-from postnorm.run_config import WorkdirError, config_data
-from postnorm.user_errors import exit_2_on_user_error
-from postnorm.validation import check_fields, check_model
+from postnorm.errors import exit_on_error
+from postnorm.model import ModelSpec, param_counts
+from postnorm.runtime.allocator import use_allocator
+from postnorm.train.loop import evaluate_checkpoint, train_and_evaluate
+from postnorm.train.validate import check_model
+from postnorm.workdir.layout import WorkdirError
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/default.py:pre.",
@@ -51,6 +32,10 @@ flags.DEFINE_string("coordinator_address", None,
 flags.DEFINE_integer("num_processes", None, "Multi-process runs: the number of processes.")
 flags.DEFINE_integer("process_id", None, "Multi-process runs: this process's index.")
 flags.mark_flags_as_required(["config"])
+
+
+class OutputError(WorkdirError):
+    """A plots or report output that could not be written (a user error: exit 2)."""
 
 
 def print_param_count(config) -> None:
@@ -67,7 +52,7 @@ def print_param_count(config) -> None:
     print(f"vocabulary: {vocab_size:,} (from {origin})")
     spec = ModelSpec.from_config(config.model, vocab_size=vocab_size,
                                  max_len=config.data.seq_len)
-    for group, count in param_count_formula(spec).items():
+    for group, count in param_counts(spec).items():
         print(f"{group:>14}: {count:>13,} ({count / 1e6:.1f}M)")
 
 
@@ -87,20 +72,21 @@ def init_distributed() -> None:
                                num_processes=FLAGS.num_processes, process_id=FLAGS.process_id)
 
 
-class OutputError(WorkdirError):
-    """A plots or report output that could not be written (a user error: exit 2)."""
-
-
-@exit_2_on_user_error  # also prints a Stopped run's message: exit 0, or 130 after Ctrl-C
-def main(argv: list[str]) -> None:
+def write_outputs(workdir: str, config) -> None:
+    """``--mode=plots`` or ``report``: the run's figures, or its HTML report."""
     try:
-        run(argv)
-    except NonFiniteError as err:
-        print(f"postnorm: error: {err}", file=sys.stderr)
-        sys.exit(3)
+        if FLAGS.mode == "plots":
+            for path in render_run_plots(workdir):
+                print(path)
+        else:
+            print(write_report(workdir, config_data(config)))
+    except OSError as err:
+        raise OutputError(f"--mode={FLAGS.mode} could not write under {workdir} "
+                          f"({err}); make it writable or copy the run elsewhere") from err
 
 
-def run(argv: list[str]) -> None:
+@exit_on_error
+def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     config = FLAGS.config
@@ -111,15 +97,7 @@ def run(argv: list[str]) -> None:
         raise app.UsageError(f"--workdir is required for --mode={FLAGS.mode} (a directory path)")
     workdir = os.path.expanduser(FLAGS.workdir)
     if FLAGS.mode in ("plots", "report"):
-        try:
-            if FLAGS.mode == "plots":
-                for path in render_run_plots(workdir):
-                    print(path)
-            else:
-                print(write_report(workdir, config_data(config)))
-        except OSError as err:
-            raise OutputError(f"--mode={FLAGS.mode} could not write under {workdir} "
-                              f"({err}); make it writable or copy the run elsewhere") from err
+        write_outputs(workdir, config)
         return
     allocator = use_allocator(config.runtime.allocator)  # may re-execute this command
     init_distributed()
@@ -127,9 +105,10 @@ def run(argv: list[str]) -> None:
                  jax.__version__, jax.process_index(), jax.process_count(),
                  jax.local_device_count(), jax.device_count(), jax.devices(), allocator)
     if FLAGS.mode == "train":
-        train.train_and_evaluate(config, workdir)
+        train_and_evaluate(config, workdir)
+        plots_after_training(os.path.abspath(workdir))
     else:
-        train.evaluate_checkpoint(config, workdir)
+        evaluate_checkpoint(config, workdir)
 
 
 if __name__ == "__main__":

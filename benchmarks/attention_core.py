@@ -5,7 +5,7 @@
 
 For q, k, v [B, L, H, K] (default: the default config's, 16 x 128 x 4 x 16) it times, jitted,
 the output and the gradient (dL/dq, dL/dk, dL/dv) of L = <attention(q, k, v), g> for each
-kernel of ``postnorm.layers``: ``blocked:N`` is ``blocked_causal_attention`` with N-row query
+kernel of ``postnorm.model.layers``: ``blocked:N`` is ``blocked_causal_attention`` with N-row query
 blocks (the model's ``model.attention=blocked``, ``model.attention_block=N``), ``einsum`` one
 block of all rows, ``xla`` ``jax.nn.dot_product_attention``, ``cpu`` the C++ kernel of
 ``postnorm.kernels.causal_attention`` (``model.attention=cpu``; it keeps its forward's output
@@ -33,7 +33,7 @@ from absl import app, flags
 from benchmarks.programs import cpu_description
 from benchmarks.timing import interleaved_median_ms
 from postnorm.kernels.causal_attention import cpu_causal_attention
-from postnorm.layers import blocked_causal_attention
+from postnorm.model.layers import blocked_causal_attention
 
 flags.DEFINE_string("shape", "16x128x4x16", "B x L x H x K of q, k and v.")
 flags.DEFINE_list("kernels", ["cpu", "blocked:32", "blocked:64", "einsum", "xla"],

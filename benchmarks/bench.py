@@ -18,7 +18,7 @@ config file's named variants and ``key=value`` overrides, written as after the f
 (``pre,model.remat=none``), to the config; every variant's programs then run side by side, and
 each program's time is also reported as a ratio to the first variant's. ``--xla_options``
 (repeatable) compiles every variant once per set of XLA compile options, applied over the
-config's ``runtime.xla_options`` (``postnorm.xla_options``), so XLA settings compare side by
+config's ``runtime.xla_options`` (``postnorm.runtime.xla_options``), so XLA settings compare side by
 side in one process too (they are per compilation, unlike ``XLA_FLAGS``):
 
     python -m benchmarks.bench --config configs/default.py --programs train \
@@ -29,7 +29,7 @@ The machine's peak is measured in the same run: a square matmul (``--peak_size``
 called ``--peak_calls`` times back to back in each repeat, the fastest call counting for that
 repeat (the first calls after a long program run slower while threads wake). Repeats are
 interleaved (peak, then every program once), so every figure sees the same machine load; each
-timing ends with a device sync. Model FLOPs follow ``postnorm.flops``; MFU is the achieved
+timing ends with a device sync. Model FLOPs follow ``postnorm.model.flops``; MFU is the achieved
 model FLOP/s over the median measured peak (and, with ``--nominal_peak_tflops``, also over a
 datasheet peak). Memory: XLA's memory analysis of each compiled program, and
 the process's resident set (current, and lifetime peak including compilation). Also the minor
@@ -55,19 +55,19 @@ from ml_collections import config_flags
 
 from benchmarks.programs import (
     PROGRAMS,
-    build_programs,
     check_benchmark_config,
     compile_afresh,
     cpu_description,
     device_memory,
     memory_analysis,
+    timed_programs,
     transparent_hugepage_mode,
 )
 from benchmarks.timing import timed
-from postnorm.allocator import use_allocator
-from postnorm.config_args import ConfigArgError, apply_arg, config_file_variants, parse_flags
-from postnorm.user_errors import exit_2_on_user_error
-from postnorm.xla_options import XlaOptionsError, compiler_options
+from postnorm.config.args import ConfigArgError, apply_arg, config_file_variants, parse_flags
+from postnorm.errors import exit_on_error
+from postnorm.runtime.allocator import use_allocator
+from postnorm.runtime.xla_options import XlaOptionsError, compiler_options
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 flags.DEFINE_list("programs", ["train", "diag"], f"Programs to time, from {list(PROGRAMS)}.")
@@ -126,7 +126,7 @@ def main(argv: list[str]) -> None:
             if len(option_sets) > 1:
                 label += f" | xla: {text or 'config'}"
             labels[label] = options
-            variants[label], models[label] = build_programs(
+            variants[label], models[label] = timed_programs(
                 config, FLAGS.programs, FLAGS.vocab_size or config.data.vocab_size, options)
 
     n = FLAGS.peak_size
@@ -176,4 +176,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(exit_2_on_user_error(main), flags_parser=parse_flags)
+    app.run(exit_on_error(main), flags_parser=parse_flags)

@@ -26,14 +26,11 @@ from benchmarks.programs import (
     memory_analysis,
     random_batch,
 )
-from postnorm.allocator import use_allocator
-from postnorm.config_args import parse_flags
-from postnorm.model import ModelSpec
-from postnorm.optim import make_optimizer
-from postnorm.sharding import make_mesh
-from postnorm.step_builder import compile_steps
-from postnorm.user_errors import exit_2_on_user_error
-from postnorm.xla_options import compiler_options
+from postnorm.config.args import parse_flags
+from postnorm.errors import exit_on_error
+from postnorm.runtime.allocator import use_allocator
+from postnorm.runtime.xla_options import compiler_options
+from postnorm.train.programs import build_programs
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 flags.DEFINE_integer("repeats", 15, "Timed repeats of each step.", lower_bound=1)
@@ -48,13 +45,9 @@ def main(argv: list[str]) -> None:
     config = FLAGS.config
     check_benchmark_config(config)
     allocator = use_allocator(config.runtime.allocator)  # may re-execute this command
-    spec = ModelSpec.from_config(config.model, vocab_size=FLAGS.vocab_size,
-                                 max_len=config.data.seq_len)
-    mesh = make_mesh(config.mesh)
-    tx, schedule = make_optimizer(config.opt, config.train.steps)
-    xla_options = compiler_options(config.runtime.xla_options)
-    steps = compile_steps(spec, tx, schedule, mesh, compiler_options=xla_options)
-    batch = random_batch(config, FLAGS.vocab_size, mesh)
+    programs = build_programs(config, FLAGS.vocab_size)
+    spec, steps = programs.spec, programs.steps
+    batch = random_batch(config, FLAGS.vocab_size, programs.mesh)
 
     state = steps.init(config.seed)
     lowered = {"train": steps.train.lower(state, batch), "diag": steps.diag.lower(state, batch)}
@@ -81,7 +74,8 @@ def main(argv: list[str]) -> None:
                    "seq_len": config.data.seq_len, "batch_size": config.data.batch_size,
                    "norm": spec.norm, "attention": spec.attention, "remat": spec.remat,
                    "scan_unroll": spec.scan_unroll, "devices": jax.device_count()},
-        "cpu": cpu_description(), "allocator": allocator, "xla_options": xla_options,
+        "cpu": cpu_description(), "allocator": allocator,
+        "xla_options": compiler_options(config.runtime.xla_options),
         "repeats": FLAGS.repeats,
         "median_step_s": median,
         "diag_over_train_time": median["diag"] / median["train"],
@@ -94,4 +88,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(exit_2_on_user_error(main), flags_parser=parse_flags)
+    app.run(exit_on_error(main), flags_parser=parse_flags)

@@ -3,7 +3,7 @@
 
 import re
 
-from postnorm.diagnostics import STATS_SCOPE
+from postnorm.diagnostics.stats import STATS_SCOPE
 
 
 def op_group(op_name: str, hlo_name: str) -> tuple[str, str, str]:

@@ -31,14 +31,11 @@ from ml_collections import config_flags
 
 from benchmarks.op_groups import hlo_op_names, op_group
 from benchmarks.programs import check_benchmark_config, cpu_description, random_batch
-from postnorm.allocator import use_allocator
-from postnorm.config_args import parse_flags
-from postnorm.model import ModelSpec
-from postnorm.optim import make_optimizer
-from postnorm.sharding import make_mesh
-from postnorm.step_builder import compile_steps
-from postnorm.user_errors import exit_2_on_user_error
-from postnorm.xla_options import compiler_options
+from postnorm.config.args import parse_flags
+from postnorm.errors import exit_on_error
+from postnorm.runtime.allocator import use_allocator
+from postnorm.runtime.xla_options import compiler_options
+from postnorm.train.programs import build_programs
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 flags.DEFINE_string("trace_dir", "", "Where the trace goes; empty: a temporary directory.")
@@ -61,13 +58,9 @@ def main(argv: list[str]) -> None:
                                  f"({err})") from err
     allocator = use_allocator(config.runtime.allocator)  # may re-execute this command
     trace_dir = FLAGS.trace_dir or tempfile.mkdtemp(prefix="postnorm_profile_")
-    spec = ModelSpec.from_config(config.model, vocab_size=config.data.vocab_size,
-                                 max_len=config.data.seq_len)
-    mesh = make_mesh(config.mesh)
-    tx, schedule = make_optimizer(config.opt, config.train.steps)
-    xla_options = compiler_options(config.runtime.xla_options)
-    steps = compile_steps(spec, tx, schedule, mesh, compiler_options=xla_options)
-    batch = random_batch(config, spec.vocab_size, mesh)
+    programs = build_programs(config, config.data.vocab_size)
+    steps = programs.steps
+    batch = random_batch(config, config.data.vocab_size, programs.mesh)
     state = steps.init(config.seed)
     compiled = getattr(steps, FLAGS.program).lower(state, batch).compile()
     op_names = hlo_op_names(compiled.as_text())
@@ -95,7 +88,8 @@ def main(argv: list[str]) -> None:
     summed = sum(totals.values())
     print(json.dumps({
         "step_wall_s": wall, "summed_op_s": summed / 1e6, "trace": path,
-        "cpu": cpu_description(), "allocator": allocator, "xla_options": xla_options,
+        "cpu": cpu_description(), "allocator": allocator,
+        "xla_options": compiler_options(config.runtime.xla_options),
         "groups_s": {k: round(v / 1e6, 4) for k, v in totals.most_common()},
         "groups_share": {k: round(v / summed, 4) for k, v in totals.most_common()},
         "top_op_kinds_s": {k: round(v / 1e6, 4) for k, v in op_kinds.most_common(FLAGS.top_ops)},
@@ -103,4 +97,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(exit_2_on_user_error(main), flags_parser=parse_flags)
+    app.run(exit_on_error(main), flags_parser=parse_flags)

@@ -15,13 +15,12 @@ import ml_collections
 import numpy as np
 
 from postnorm.data import check_batch_shape
-from postnorm.flops import forward_flops_per_token, train_flops_per_token
-from postnorm.model import Decoder, ModelSpec
-from postnorm.optim import make_optimizer
-from postnorm.sharding import batch_sharding, make_mesh
-from postnorm.step_builder import compile_steps
-from postnorm.validation import check_all_but_data
-from postnorm.xla_options import XlaOptions, compiler_options
+from postnorm.model import Decoder
+from postnorm.model.flops import forward_flops_per_token, train_flops_per_token
+from postnorm.runtime.mesh import batch_sharding
+from postnorm.runtime.xla_options import XlaOptions
+from postnorm.train.programs import build_programs
+from postnorm.train.validate import check_all_but_data
 
 PROGRAMS = ("train", "diag", "forward")
 THP_SETTING = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -124,7 +123,7 @@ class Program:
 
 
 def check_benchmark_config(config: ml_collections.ConfigDict) -> None:
-    """A run's config checks (``postnorm.validation``), less the data source's: the batches
+    """A run's config checks (``postnorm.train.validate``), less the data source's: the batches
     are random tokens of the config's shape. ``ConfigError`` or ``DataError`` names a bad
     field."""
     check_all_but_data(config, device_count=jax.device_count())
@@ -144,31 +143,27 @@ def random_batch(config: ml_collections.ConfigDict, vocab: int, mesh) -> dict[st
             for k, v in (("inputs", tokens[:, :-1]), ("targets", tokens[:, 1:]))}
 
 
-def build_programs(config: ml_collections.ConfigDict, names: list[str], vocab: int,
+def timed_programs(config: ml_collections.ConfigDict, names: list[str], vocab: int,
                    xla_options: XlaOptions | None = None) -> tuple[dict[str, Program], dict]:
-    """The programs in ``names`` order (from ``PROGRAMS``), and a description of the model and
-    batch: random tokens of the config's batch shape over ``vocab``. They compile with
+    """The programs in ``names`` order (from ``PROGRAMS``), built as the trainer builds them
+    (``postnorm.train.programs.build_programs``), and a description of the model and batch:
+    random tokens of the config's batch shape over ``vocab``. They compile with
     ``xla_options`` (default: the config's ``runtime.xla_options``)."""
-    if xla_options is None:
-        xla_options = compiler_options(config.runtime.xla_options)
+    built = build_programs(config, vocab, xla_options=xla_options)
+    spec, steps, options = built.spec, built.steps, built.xla_options
     seq_len, batch_size = config.data.seq_len, config.data.batch_size
-    spec = ModelSpec.from_config(config.model, vocab_size=vocab, max_len=seq_len)
-    mesh = make_mesh(config.mesh)
-    batch = random_batch(config, vocab, mesh)
+    batch = random_batch(config, vocab, built.mesh)
     n_tokens = batch_size * seq_len
     programs = {}
-    if {"train", "diag"} & set(names):
-        tx, schedule = make_optimizer(config.opt, config.train.steps)
-        steps = compile_steps(spec, tx, schedule, mesh, compiler_options=xla_options)
-        for name in {"train", "diag"} & set(names):
-            programs[name] = Program(getattr(steps, name), (steps.init(config.seed), batch),
-                                     train_flops_per_token(spec, seq_len) * n_tokens, True)
+    for name in {"train", "diag"} & set(names):
+        programs[name] = Program(getattr(steps, name), (steps.init(config.seed), batch),
+                                 train_flops_per_token(spec, seq_len) * n_tokens, True)
     if "forward" in names:
         model = Decoder(spec)
         params = jax.jit(lambda key: model.init(key, batch["inputs"])["params"])(
             jax.random.key(config.seed))
         forward = jax.jit(lambda p, x: model.apply({"params": p}, x),
-                          compiler_options=xla_options or None)
+                          compiler_options=options or None)
         programs["forward"] = Program(forward, (params, batch["inputs"]),
                                       forward_flops_per_token(spec, seq_len) * n_tokens, False)
     model_info = {"n_layers": spec.n_layers, "d_model": spec.d_model, "d_ff": spec.d_ff,

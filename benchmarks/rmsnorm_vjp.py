@@ -6,7 +6,7 @@ For each shape [B, L, D] (default: the default config's sublayer outputs, [16, 1
 paper width, [8, 512, 512]) it times the jitted forward and backward (dL/dy, dL/dscale) of
 L = <RMSNorm(y), g> two ways:
 
-* ``autodiff``: ``postnorm.layers.RMSNorm``, the model's module, differentiated by JAX;
+* ``autodiff``: ``postnorm.model.layers.RMSNorm``, the model's module, differentiated by JAX;
 * ``fused``: the same forward with a ``jax.custom_vjp`` backward written as one expression,
   dy = r (g s - x (g s . x) / D) with r = 1/rms(y), x = y r, keeping y, r and the gain s.
 
@@ -24,7 +24,7 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks.timing import interleaved_median_ms
-from postnorm.layers import RMSNorm
+from postnorm.model.layers import RMSNorm
 
 flags.DEFINE_list("shapes", ["16x128x64", "8x512x512"], "Shapes BxLxD to time.")
 flags.DEFINE_float("eps", 1e-6, "RMSNorm epsilon.")
@@ -43,7 +43,7 @@ def _normalize(y_BxLxD: jax.Array, scale_D: jax.Array,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def fused_rms_norm(y_BxLxD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm with a hand-written backward; the same forward as ``postnorm.layers.RMSNorm``."""
+    """RMSNorm with a hand-written backward; the forward of ``postnorm.model.layers.RMSNorm``."""
     return _normalize(y_BxLxD, scale_D, eps)[0]
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional
 
 from postnorm.model import Decoder, ModelSpec
-from postnorm.steps import cross_entropy
+from postnorm.train.losses import cross_entropy
 
 
 def check_supported(spec: ModelSpec) -> None:
@@ -29,7 +29,7 @@ def check_supported(spec: ModelSpec) -> None:
 
 
 def rotary_tables(length: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [L, K/2] of the rotary angles, as in ``postnorm.layers.rotary_embedding``."""
+    """cos and sin [L, K/2] of the rotary angles (``postnorm.model.layers.rotary_embedding``)."""
     half = head_dim // 2
     inv_freq = base ** (-torch.arange(half, dtype=torch.float32) / half)
     angle = torch.arange(length, dtype=torch.float32)[:, None] * inv_freq[None, :]
@@ -184,7 +184,7 @@ def train_loss(model: nn.Module, tokens_BxL1: torch.Tensor) -> torch.Tensor:
 
 def make_optimizer(model: TorchDecoder,
                    opt_cfg: ml_collections.ConfigDict) -> torch.optim.Optimizer:
-    """Fused AdamW, decaying what ``postnorm.optim.weight_decay_mask`` decays: every weight
+    """Fused AdamW, decaying what ``postnorm.train.optim.weight_decay_mask`` decays: every weight
     but the norm gains and the embedding, or everything with ``decay_norms_and_embeddings``."""
 
     def decays(name: str) -> bool:

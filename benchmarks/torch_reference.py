@@ -16,7 +16,7 @@ compute the loss and its gradient on one batch: their largest relative differenc
 reported (``equivalence``; beyond 1e-5 in the loss or 1e-3 in a gradient it stops), so the
 two timings are of the same network. Repeats are
 interleaved (JAX peak matmul, PyTorch peak matmul, JAX step, PyTorch step); MFU counts the
-model FLOPs of ``postnorm.flops`` against each framework's own fastest 2048² float32 matmul
+model FLOPs of ``postnorm.model.flops`` against each framework's own fastest 2048² float32 matmul
 of that repeat. Both steps' minor page faults per call and the kernel's transparent huge page
 mode are reported too (``benchmarks.programs.transparent_hugepage_mode``), and the heap
 allocator both run on (``allocator``, from ``runtime.allocator``) and the CPU (``cpu``);
@@ -36,12 +36,12 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from benchmarks.programs import (
-    build_programs,
     check_benchmark_config,
     compile_afresh,
     cpu_description,
     minor_page_faults,
     random_tokens,
+    timed_programs,
     transparent_hugepage_mode,
 )
 from benchmarks.timing import timed
@@ -52,10 +52,11 @@ from benchmarks.torch_model import (
     make_optimizer,
     train_loss,
 )
-from postnorm.allocator import use_allocator
-from postnorm.config_args import parse_flags
+from postnorm.config.args import parse_flags
+from postnorm.errors import exit_on_error
 from postnorm.model import ModelSpec
-from postnorm.user_errors import exit_2_on_user_error
+from postnorm.runtime.allocator import use_allocator
+from postnorm.train.programs import resolve_attention
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Config file.")
 flags.DEFINE_integer("repeats", 7, "Timed repeats of each step (after one warm-up).",
@@ -91,6 +92,7 @@ def main(argv: list[str]) -> None:
     if jax.default_backend() != "cpu":
         raise app.UsageError(f"JAX runs on {jax.default_backend()}: the PyTorch reference "
                              "times CPU against CPU; hide the accelerator (JAX_PLATFORMS=cpu)")
+    config = resolve_attention(config)  # the JAX model the equivalence check runs
     vocab = FLAGS.vocab_size or config.data.vocab_size
     seq_len, batch_size = config.data.seq_len, config.data.batch_size
     spec = ModelSpec.from_config(config.model, vocab_size=vocab, max_len=seq_len)
@@ -118,7 +120,7 @@ def main(argv: list[str]) -> None:
         optimizer.step()
 
     step_fn = torch.compile(torch_step) if FLAGS.torch_compile else torch_step
-    programs, model_info = build_programs(config, ["train"], vocab)
+    programs, model_info = timed_programs(config, ["train"], vocab)
     jax_train = programs["train"]
 
     a_jax = jax.random.normal(jax.random.key(1), (PEAK_SIZE, PEAK_SIZE), jnp.float32)
@@ -176,4 +178,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(exit_2_on_user_error(main), flags_parser=parse_flags)
+    app.run(exit_on_error(main), flags_parser=parse_flags)

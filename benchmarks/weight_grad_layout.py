@@ -4,8 +4,8 @@
 
 For x [B, L, D] and each W [D, F], times the jitted gradient (dL/dx, dL/dW) of
 L = sum(tanh(x W) * g) written two ways: ``x @ W`` (autodiff contracts the two token axes B and
-L for dL/dW) and ``postnorm.layers.token_matmul`` (x flattened to [B*L, D] first). Both give the
-same numbers (the script checks). Repeats are interleaved; prints JSON with the median
+L for dL/dW) and ``postnorm.model.layers.token_matmul`` (x flattened to [B*L, D] first). Both
+give the same numbers (the script checks). Repeats are interleaved; prints JSON with the median
 milliseconds per call and the ratio kept / flattened.
 """
 
@@ -17,7 +17,7 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks.timing import interleaved_median_ms
-from postnorm.layers import token_matmul
+from postnorm.model.layers import token_matmul
 
 flags.DEFINE_integer("batch", 16, "B.", lower_bound=1)
 flags.DEFINE_integer("length", 128, "L.", lower_bound=1)

@@ -1,99 +1,13 @@
 """Default: a deep, narrow model on the embedded corpus, sized for a laptop CPU.
 
-48 layers, d=64, 4 heads, d_ff=192, n=128. Variants: ``post`` (the default placement) and
-``pre``. Example: ``--config configs/default.py:pre,lr=3e-3``.
+48 layers, d=64, 4 heads, d_ff=192, n=128: the defaults of ``postnorm/config/schema.py``.
+Variants: ``post`` (the default placement) and ``pre``. Example:
+``--config configs/default.py:pre,lr=3e-3``.
 """
 
 import ml_collections
 
-from postnorm.config_args import apply_arg
-
-
-def base_config() -> ml_collections.ConfigDict:
-    """Every field the trainer reads, with CPU-sized defaults."""
-    c = ml_collections.ConfigDict()
-    c.seed = 0
-
-    c.model = ml_collections.ConfigDict()
-    c.model.n_layers = 48
-    c.model.d_model = 64
-    c.model.n_heads = 4
-    c.model.d_ff = 192
-    c.model.norm = "post"  # post | pre
-    c.model.positions = "rope"  # rope | learned | none
-    c.model.init = "torch_default"  # torch_default | normal_0.02 | lecun_normal | xavier
-    c.model.tie_embeddings = False
-    c.model.norm_eps = 1e-6
-    c.model.rope_base = 10000.0
-    c.model.dtype = "float32"  # float32 | bfloat16 (compute dtype; params stay float32)
-    # einsum | blocked | xla | cudnn | cpu (cudnn: GPU, bfloat16 only; cpu: the C++ CPU kernel,
-    # float32, compiled on first use with the system's C++ compiler; blocked needs none)
-    c.model.attention = "cpu"
-    c.model.attention_block = 32  # query rows per block of the blocked kernel
-    c.model.remat = "full"  # none | dots | dots_no_batch | full (what backward keeps per layer)
-    # layers per iteration of the scanned layer loop; n_layers unrolls the loop: with remat=none
-    # the fastest train step measured for this config on CPU, but a 3-7x longer compile
-    # (docs/PERFORMANCE.md)
-    c.model.scan_unroll = 1
-
-    c.data = ml_collections.ConfigDict()
-    c.data.source = "embedded"  # embedded | c4 | text_files
-    c.data.data_dir = "~/tensorflow_datasets"
-    c.data.text_files = ""
-    c.data.c4_version = "3.0.1"
-    c.data.seq_len = 128
-    c.data.batch_size = 16  # global, over all processes and devices
-    c.data.tokenizer = "sentencepiece"  # sentencepiece | byte
-    c.data.vocab_size = 8192
-    c.data.tokenizer_path = ""
-    c.data.lfreq_sample_docs = 0
-
-    c.opt = ml_collections.ConfigDict()
-    c.opt.lr = 1e-3
-    c.opt.schedule = "cosine"  # cosine | constant (both after linear warmup)
-    c.opt.warmup_steps = 20
-    c.opt.min_lr_ratio = 0.1
-    c.opt.b1 = 0.9
-    c.opt.b2 = 0.95
-    c.opt.eps = 1e-8
-    c.opt.weight_decay = 0.1
-    c.opt.decay_norms_and_embeddings = False
-    c.opt.clip_norm = 0.0  # 0 disables global-norm clipping
-
-    c.train = ml_collections.ConfigDict()
-    c.train.steps = 300
-    c.train.log_every = 10
-    c.train.eval_every = 100
-    c.train.eval_batches = 4
-    c.train.ckpt_every = 100
-    c.train.keep_ckpts = 3
-    c.train.nonfinite = "abort"  # abort | skip | rollback: a step with a NaN/Inf loss or gradient
-    c.train.rollback_lr_factor = 0.5  # rollback: the learning rate is multiplied by this
-    c.train.max_rollbacks = 3  # rollback: after this many, stop as abort does
-
-    c.diag = ml_collections.ConfigDict()
-    c.diag.every = 10  # diag_step (per-layer statistics) runs at step 1 and every `every` steps
-
-    c.runtime = ml_collections.ConfigDict()
-    # auto | system | tcmalloc: tcmalloc (preloaded by re-executing the command) keeps XLA's
-    # per-call temporaries mapped; auto uses it when the library is installed
-    c.runtime.allocator = "auto"
-    # a directory for JAX's persistent compilation cache (e.g. ~/.cache/postnorm/jax): runs whose
-    # programs an earlier run compiled (resumes, re-runs, other seeds' steps) load them; '' leaves
-    # JAX's setting (none unless JAX_COMPILATION_CACHE_DIR is set)
-    c.runtime.compilation_cache_dir = ""
-    # XLA compile options for every program, name=value separated by spaces
-    # (postnorm/xla_options.py): how programs are compiled, which a resume may change like
-    # runtime.*, so put options that change the arithmetic (fast math) only in a new run. The
-    # default's region analysis lets copy insertion drop copies around the scanned layer loop:
-    # the same numbers, a faster CPU step (docs/PERFORMANCE.md). '' is XLA's defaults
-    c.runtime.xla_options = "xla_cpu_copy_insertion_use_region_analysis=true"
-
-    c.mesh = ml_collections.ConfigDict()
-    c.mesh.data = -1  # -1: all devices not used by fsdp and tensor
-    c.mesh.fsdp = 1
-    c.mesh.tensor = 1
-    return c
+from postnorm.config import apply_arg, base_config
 
 
 def _post(c: ml_collections.ConfigDict) -> None:

@@ -8,9 +8,9 @@ batches exactly as the trainer does and prints JSON: the mean and sd of their fl
 (``postnorm.data.lfreq.frequency_floor``), the mean floor of the last three logged steps (the
 batches a run's final loss is averaged over) and L_freq. It shows how far one batch's floor
 scatters around L_freq, which is why the collapse rule compares a loss with its own batches'
-floor (``postnorm.collapse``). With ``--next``, also the mean floor of the first K batches after
-``--steps`` for each K: the batches ``experiments/collapse.py --train_batches K`` scores a
-final checkpoint on.
+floor (``postnorm.analysis.collapse``). With ``--next``, also the mean floor of the first K
+batches after ``--steps`` for each K: the batches ``experiments/collapse.py --train_batches K``
+scores a final checkpoint on.
 """
 
 import itertools
@@ -19,13 +19,13 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from postnorm.config_args import parse_flags
+from postnorm.config.args import parse_flags
+from postnorm.config.list_flags import integer_list
 from postnorm.data import check_data_config, load_data
 from postnorm.data.lfreq import frequency_floor
-from postnorm.flag_lists import integer_list
-from postnorm.json_numbers import dumps
-from postnorm.user_errors import exit_2_on_user_error
-from postnorm.validation import check_train
+from postnorm.errors import exit_on_error
+from postnorm.files import dumps
+from postnorm.train.validate import check_train
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Config whose data is read.")
 flags.DEFINE_list("seeds", ["0"], "Data-order seeds (integers in [0, 2**31)).")
@@ -72,4 +72,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(exit_2_on_user_error(main), flags_parser=parse_flags)
+    app.run(exit_on_error(main), flags_parser=parse_flags)

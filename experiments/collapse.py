@@ -5,17 +5,17 @@ collapse transition, its per-layer diagnostics and Theorem 3.8 on the trained ch
         [--steps N] [--norms post,pre] [--thm38] [--train_batches N] [--workers N]
 
 Each (norm, seed) trains with ``train_and_evaluate`` into ``DIR/<norm>_seed<k>``; a rerun skips
-finished runs and resumes partial ones (``postnorm.run_record``). With ``--workers N`` the runs
+finished runs and resumes partial ones (``postnorm.sweep.record``). With ``--workers N`` the runs
 train, and Thm 3.8 is measured on them, in N processes pinned to disjoint CPU sets
-(``postnorm.workers``) before the analysis.
+(``postnorm.sweep.workers``) before the analysis.
 The seed sets both the initialisation and the data order, so Post and Pre with the same seed see
 the same batches.
-Collapse is detected by the rule of ``postnorm.collapse``. Writes to DIR:
+Collapse is detected by the rule of ``postnorm.analysis.collapse``. Writes to DIR:
 
 * ``figures/loss_vs_lfreq.png``: every run's train loss against L_freq;
 * ``figures/<run>_layers.png``, ``_dldx.png``, ``_tsim.png``: sqrt(d)/||y_k|| and c_k, ||dL/dX_k||
-  and the tsim heatmap, with the transition window shaded (``postnorm.collapse_plots``);
-* ``<run>/thm38.json``: Thm 3.8 on the run's final checkpoint (``postnorm.collapsed_net``), and
+  and the tsim heatmap, with the transition window shaded (``postnorm.analysis.collapse_figures``);
+* ``<run>/thm38.json``: Thm 3.8 on the run's final checkpoint (``postnorm.analysis.thm38``), and
   that checkpoint's loss on the next ``--train_batches`` training batches;
 * ``summary.json`` and ``summary.md``: per run and per norm, and the wall times.
 """
@@ -31,22 +31,22 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from postnorm import collapsed_net
-from postnorm.allocator import use_allocator
-from postnorm.collapse import Collapse, detect_collapse
-from postnorm.collapse_plots import plot_loss_runs, render_collapse_figures
-from postnorm.config_args import parse_flags
+from postnorm.analysis import thm38 as thm38_measure
+from postnorm.analysis.collapse import Collapse, detect_collapse
+from postnorm.analysis.collapse_figures import plot_loss_runs, render_collapse_figures
+from postnorm.analysis.tables import cell, markdown_table
+from postnorm.config import ConfigError
+from postnorm.config.args import parse_flags
+from postnorm.config.list_flags import choice_list, integer_list
 from postnorm.data import DataError, load_data
-from postnorm.data.files import write_bytes_atomic, write_json_atomic
-from postnorm.flag_lists import choice_list, integer_list
-from postnorm.json_numbers import dumps, from_text
-from postnorm.model import NORM_PLACEMENTS
-from postnorm.output_dir import make_output_dir
-from postnorm.plots import read_metrics
-from postnorm.run_record import run_once
-from postnorm.user_errors import exit_2_on_user_error
-from postnorm.validation import ConfigError, check_config
-from postnorm.workers import check_workers, run_pinned
+from postnorm.errors import exit_on_error
+from postnorm.files import dumps, from_text, make_output_dir, write_bytes_atomic, write_json_atomic
+from postnorm.model import PLACEMENTS
+from postnorm.runtime.allocator import use_allocator
+from postnorm.sweep.record import run_once
+from postnorm.sweep.workers import check_workers, run_pinned
+from postnorm.train.validate import check_config
+from postnorm.workdir.metrics import read_metrics
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Base config (norm and seed are "
                                 "set per run).", lock_config=False)
@@ -84,7 +84,7 @@ def thm38(config: ml_collections.ConfigDict, workdir: str, train_batches: int) -
                 and train_batches in (0, measured_batches)):
             return cached
     start = time.perf_counter()
-    result = collapsed_net.measure_run(config, workdir, train_batches)
+    result = thm38_measure.measure_run(config, workdir, train_batches)
     result["wall_s"] = time.perf_counter() - start
     write_json_atomic(path, result)
     return result
@@ -114,14 +114,6 @@ def train_and_measure(config: ml_collections.ConfigDict, workdir: str, measure: 
     if measure and result["status"] == "done":
         thm38(config, workdir, train_batches)
     return result["status"]
-
-
-def _fmt(value, spec: str = ".4f") -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, list | tuple):
-        return ", ".join(_fmt(v, spec) for v in value)
-    return format(value, spec) if isinstance(value, float) else str(value)
 
 
 def run_row(name: str, result: dict, collapse: Collapse | None) -> dict:
@@ -187,47 +179,48 @@ def thm38_row(name: str, record: dict) -> dict:
     }
 
 
+RUN_COLUMNS = (  # (header, row key, format)
+    ("run", "run", ""), ("status", "status", ""), ("final train loss", "final_train_loss", ".4f"),
+    ("L_freq", "lfreq", ".4f"), ("loss/L_freq", "loss_over_lfreq", ".3f"),
+    ("floor of those batches", "final_train_floor", ".4f"),
+    ("loss/floor", "loss_over_floor", ".3f"),
+    ("eval loss/floor", "eval_loss_over_floor", ".3f"), ("collapsed", "collapsed", ""),
+    ("collapse step", "collapse_step", ""), ("window", "window", "d"),
+    ("half the layers at tsim ≥ 0.99", "similar_layers_step", ""),
+    ("grad ratio across window, layers 0-3", "grad_ratio_early", ".3g"),
+    ("last layer", "grad_ratio_last", ".3g"),
+    ("grad step 1/last, layers 0-3", "grad_first_over_last_early", ".3g"),
+    ("last layer", "grad_first_over_last_last", ".3g"), ("skipped steps", "skipped_steps", ""),
+    ("train wall s", "train_wall_s", ".0f"))
+THM_COLUMNS = (
+    ("run", "run", ""), ("loss", "mean_loss", ".4f"), ("L_freq(p_hat)", "mean_lfreq_seq", ".4f"),
+    ("eps", "mean_eps", ".3g"), ("bound", "mean_bound", ".3g"),
+    ("bound holds", "bound_holds_fraction", ".2f"),
+    ("loss at x_bar", "mean_collapsed_prediction_loss", ".4f"),
+    ("KL(p_freq‖q̄)", "kl_pfreq_qbar", ".4f"),
+    ("p_freq point: loss − L_freq", "point_loss_minus_lfreq", ".2e"),
+    ("max\\|grad\\| point", "point_max_abs_grad", ".2e"),
+    ("max\\|grad\\| control", "control_max_abs_grad", ".2e"))
+NEXT_COLUMNS = (
+    ("run", "run", ""), ("loss", "next_loss", ".4f"), ("floor", "next_floor", ".4f"),
+    ("L_freq", "next_lfreq", ".4f"), ("loss/L_freq", "next_loss_over_lfreq", ".3f"),
+    ("loss/floor", "next_loss_over_floor", ".3f"))
+
+
+def _table(columns: tuple[tuple[str, str, str], ...], rows: list[dict]) -> list[str]:
+    return markdown_table([header for header, _, _ in columns],
+                          [[cell(row[key], spec) for _, key, spec in columns] for row in rows])
+
+
 def markdown(rows: list[dict], thm_rows: list[dict], wall: dict) -> str:
-    lines = ["| run | status | final train loss | L_freq | loss/L_freq | floor of those batches | "
-             "loss/floor | eval loss/floor | collapsed | collapse step | "
-             "window | half the layers at tsim ≥ 0.99 | grad ratio across window, layers 0-3 | "
-             "last layer | grad step 1/last, layers 0-3 | last layer | skipped steps | "
-             "train wall s |",
-             "|" + "---|" * 18]
-    for r in rows:
-        collapsed = None if r["collapsed"] is None else ("yes" if r["collapsed"] else "no")
-        lines.append("| " + " | ".join(_fmt(v, spec) for v, spec in (
-            (r["run"], ""), (r["status"], ""), (r["final_train_loss"], ".4f"), (r["lfreq"], ".4f"),
-            (r["loss_over_lfreq"], ".3f"), (r["final_train_floor"], ".4f"),
-            (r["loss_over_floor"], ".3f"), (r["eval_loss_over_floor"], ".3f"),
-            (collapsed, ""),
-            (r["collapse_step"], ""), (r["window"], "d"), (r["similar_layers_step"], ""),
-            (r["grad_ratio_early"], ".3g"),
-            (r["grad_ratio_last"], ".3g"), (r["grad_first_over_last_early"], ".3g"),
-            (r["grad_first_over_last_last"], ".3g"), (r["skipped_steps"], ""),
-            (r["train_wall_s"], ".0f"))) + " |")
+    lines = _table(RUN_COLUMNS, rows)
     if thm_rows:
         lines += ["", "Theorem 3.8 on the final checkpoints (means over the validation "
-                  "sequences; eps = ||X_H - Pi_1 X_H||_F):", "",
-                  "| run | loss | L_freq(p_hat) | eps | bound | bound holds | loss at x_bar | "
-                  "KL(p_freq‖q̄) | p_freq point: loss − L_freq | max\\|grad\\| point | "
-                  "max\\|grad\\| control |", "|" + "---|" * 11]
-        for t in thm_rows:
-            lines.append("| " + " | ".join(_fmt(v, spec) for v, spec in (
-                (t["run"], ""), (t["mean_loss"], ".4f"), (t["mean_lfreq_seq"], ".4f"),
-                (t["mean_eps"], ".3g"), (t["mean_bound"], ".3g"),
-                (t["bound_holds_fraction"], ".2f"), (t["mean_collapsed_prediction_loss"], ".4f"),
-                (t["kl_pfreq_qbar"], ".4f"), (t["point_loss_minus_lfreq"], ".2e"),
-                (t["point_max_abs_grad"], ".2e"), (t["control_max_abs_grad"], ".2e"))) + " |")
+                  "sequences; eps = ||X_H - Pi_1 X_H||_F):", "", *_table(THM_COLUMNS, thm_rows)]
     if thm_rows and "next_batches" in thm_rows[0]:
         lines += ["", f"The final checkpoints on the next {thm_rows[0]['next_batches']} training "
                   "batches (not trained on; floor: their mean frequency floor):", "",
-                  "| run | loss | floor | L_freq | loss/L_freq | loss/floor |", "|" + "---|" * 6]
-        for t in thm_rows:
-            lines.append("| " + " | ".join(_fmt(v, spec) for v, spec in (
-                (t["run"], ""), (t["next_loss"], ".4f"), (t["next_floor"], ".4f"),
-                (t["next_lfreq"], ".4f"), (t["next_loss_over_lfreq"], ".3f"),
-                (t["next_loss_over_floor"], ".3f"))) + " |")
+                  *_table(NEXT_COLUMNS, thm_rows)]
     lines += ["", f"Wall time of this invocation: {wall['invocation_s']:.0f} s; training time "
               f"summed over the runs (including earlier invocations): {wall['train_sum_s']:.0f} s."]
     return "\n".join(lines) + "\n"
@@ -241,7 +234,7 @@ def main(argv: list[str]) -> None:
     check_workers(FLAGS.workers)
     use_allocator(FLAGS.config.runtime.allocator)  # may re-execute this command
     start = time.perf_counter()
-    norms = choice_list("norms", FLAGS.norms, NORM_PLACEMENTS)
+    norms = choice_list("norms", FLAGS.norms, tuple(PLACEMENTS))
     seeds = integer_list("seeds", FLAGS.seeds, 0)
     runs = [(f"{norm}_seed{seed}", seeded_config(FLAGS.config, norm, seed, FLAGS.steps))
             for norm in norms for seed in seeds]
@@ -282,4 +275,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(exit_2_on_user_error(main), flags_parser=parse_flags)
+    app.run(exit_on_error(main), flags_parser=parse_flags)

@@ -5,9 +5,9 @@ mean-field Gram recursion (docs/THEORY.md).
 
 The model is ``configs/paper.py`` (48 layers, d=512, d_ff=1536, 4 heads, n=2048, RoPE) on the
 embedded corpus. For each norm placement and seed, a freshly initialised layer stack
-(``postnorm.theory_mc.LayerStack``, the decoder's own scanned ``Block``) runs one sequence on two
-inputs: the token embeddings of a real validation sequence, and iid N(0, 1) rows fed as the
-layer-0 residual stream. Per layer it records tsim at every sublayer input and:
+(``postnorm.analysis.monte_carlo.LayerStack``, the decoder's own scanned ``Block``) runs one
+sequence on two inputs: the token embeddings of a real validation sequence, and iid N(0, 1) rows
+fed as the layer-0 residual stream. Per layer it records tsim at every sublayer input and:
 
 * the one-step changes: ``d_*`` = tsim after minus before the sublayer (its RMSNorm included,
   one weight draw), and ``d_*_pm`` = the same change averaged over the sign of the branch's
@@ -21,9 +21,9 @@ layer-0 residual stream. Per layer it records tsim at every sublayer input and:
   trajectory also its exact one-step Delta_attn and the EC closed form at its own (t, s): their
   ratio is the error the EC closure itself predicts for the closed form on non-EC states;
 * Post-Norm, ``--uniform_check``: the same stack with attention forced to prefix averaging P
-  (``theory_mc.attention_mode("uniform")``), which removes assumption A1 from the comparison;
+  (``monte_carlo.attention_mode("uniform")``), which removes assumption A1 from the comparison;
 * Post-Norm ablation: the same stack with attention (A - P) V W_O, i.e. without the causal
-  prefix mean of V (``theory_mc.attention_mode("centered")``).
+  prefix mean of V (``monte_carlo.attention_mode("centered")``).
 
 Writes ``layers.csv``, ``summary.json``, ``summary.md`` and ``init_similarity.png`` to --out_dir.
 """
@@ -41,18 +41,20 @@ import ml_collections
 import numpy as np
 from absl import app, flags, logging
 
-from configs import default, paper
-from postnorm import theory, theory_mc
-from postnorm.allocator import use_allocator
+from configs import paper
+from postnorm import theory
+from postnorm.analysis import monte_carlo
+from postnorm.analysis.tables import markdown_table
+from postnorm.config import base_config
+from postnorm.config.list_flags import choice_list
 from postnorm.data import DataError, load_data
 from postnorm.data.errors import ShortSplitError
-from postnorm.data.files import write_json_atomic
-from postnorm.flag_lists import choice_list
-from postnorm.initializers import INIT_SCHEMES, embedding_init
-from postnorm.json_numbers import dumps
-from postnorm.model import ModelSpec
-from postnorm.output_dir import make_output_dir
-from postnorm.user_errors import exit_2_on_user_error
+from postnorm.errors import exit_on_error
+from postnorm.files import dumps, make_output_dir, write_json_atomic
+from postnorm.model import PLACEMENTS, ModelSpec
+from postnorm.model.initializers import embedding_init
+from postnorm.runtime.allocator import use_allocator
+from postnorm.theory import INIT_SCHEMES
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -78,7 +80,7 @@ TABLE_ROWS = 12  # layers shown per markdown table
 def build_config(n_layers: int, seq_len: int, init: str) -> ml_collections.ConfigDict:
     """``configs/paper.py`` with the embedded corpus (default data fields) at length seq_len."""
     config = paper.get_config()
-    config.data = default.base_config().data
+    config.data = base_config().data
     config.data.seq_len = seq_len
     config.model.n_layers = n_layers
     config.model.init = init
@@ -118,10 +120,10 @@ def run_seed(spec: ModelSpec, fns: dict, params: dict, x0_1xNxD: jax.Array,
     out = derived(_numpy(fns["softmax"](params, x0_1xNxD)), amt, n)
     logging.info("%s stack forward: %.1f s", spec.norm, time.perf_counter() - start)
     x0 = np.asarray(x0_1xNxD[0], np.float64)
-    mean_field = theory.mean_field_recursion(x0 @ x0.T / spec.d_model, spec.n_layers, amt,
-                                             spec.norm)
+    gram = PLACEMENTS[spec.norm].gram
+    mean_field = theory.mean_field_recursion(x0 @ x0.T / spec.d_model, spec.n_layers, amt, gram)
     t_in = mean_field.tsim_in
-    scalar = theory.scalar_recursion(float(theory.tsim(x0)), n, spec.n_layers, amt, spec.norm,
+    scalar = theory.scalar_recursion(float(theory.tsim(x0)), n, spec.n_layers, amt, gram,
                                      r0=float(np.mean(x0**2)))
     out.update(meanfield_attn=mean_field.tsim_after[:, 0],
                meanfield_ffn=mean_field.tsim_after[:, 1], meanfield_d_attn=mean_field.delta_attn,
@@ -216,11 +218,6 @@ def write_csv(path: str, results: dict[tuple[str, str], dict[str, np.ndarray]]) 
                     f"{agg[k][layer]:.6e}" if k in agg else "" for k in CSV_KEYS))
 
 
-def _markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return lines + ["| " + " | ".join(row) + " |" for row in rows]
-
-
 def _optional(fig: dict, value: str, layer: str) -> str:
     return f"{fig[value]:+.3f} ({fig[layer]})" if value in fig else "-"
 
@@ -233,7 +230,7 @@ def write_markdown(path: str, meta: dict, results: dict, figures: dict) -> None:
              f"a = {meta['amounts']['a']:.4f}, xi m(1) = {meta['amounts']['xi_m1']:.5f}.", "",
              f"Wall time {meta['wall_s']:.0f} s; peak RSS {meta['peak_rss_mib']:.0f} MiB.", "",
              "## Amounts per init scheme (theory, this width)", ""]
-    lines += _markdown_table(
+    lines += markdown_table(
         ["init", "s (W_VO)", "s (W_V only)", "xi", "a", "m(1)", "xi m(1)"],
         [[r["init"]] + [f"{r[k]:.5g}" for k in ("s_vo", "s_v_only", "xi", "a", "m1", "xi_m1")]
          for r in meta["amounts_table"]])
@@ -259,7 +256,7 @@ def write_markdown(path: str, meta: dict, results: dict, figures: dict) -> None:
                      f"{fig['xi_m1_measured_mean']:.5f} ({meta['amounts']['xi_m1']:.5f})",
                      (f"{fig['ablation_tsim_final']:.4f}" if "ablation_tsim_final" in fig
                       else "-")])
-    lines += _markdown_table(header, rows)
+    lines += markdown_table(header, rows)
     for (norm, source), agg in results.items():
         n_layers = len(agg["t_attn"])
         shown = sorted(set(np.linspace(0, n_layers - 1, min(TABLE_ROWS, n_layers)).astype(int)))
@@ -268,7 +265,7 @@ def write_markdown(path: str, meta: dict, results: dict, figures: dict) -> None:
                 "meanfield_d_attn_closed", "s_measured", "d_ffn_pm",
                 "d_ffn_closed", "t_out", "meanfield_ffn", "scalar_ffn"]
         keys += ["ablation_t_out"] if "ablation_t_out" in agg else []
-        lines += _markdown_table(["layer"] + keys,
+        lines += markdown_table(["layer"] + keys,
                                  [[str(i)] + [f"{agg[k][i]:.4g}" for k in keys] for i in shown])
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -345,15 +342,15 @@ def run(config: ml_collections.ConfigDict, *, seeds: int, norms: list[str], inpu
     for norm in norms:
         config.model.norm = norm
         spec = ModelSpec.from_config(config.model, vocab_size=config.data.vocab_size, max_len=n)
-        fns = {"softmax": theory_mc.stack_statistics(spec, "softmax")}
+        fns = {"softmax": monte_carlo.stack_statistics(spec, "softmax")}
         if ablation and norm == "post":
-            fns["centered"] = theory_mc.stack_statistics(spec, "centered")
+            fns["centered"] = monte_carlo.stack_statistics(spec, "centered")
         if uniform_check and norm == "post":
-            fns["uniform"] = theory_mc.stack_statistics(spec, "uniform")
+            fns["uniform"] = monte_carlo.stack_statistics(spec, "uniform")
         per_seed = {source: [] for source in inputs}
         for seed in range(seeds):
             key_params, key_embed, key_gauss = jax.random.split(jax.random.key(seed), 3)
-            params = theory_mc.init_stack_params(spec, key_params)
+            params = monte_carlo.init_stack_params(spec, key_params)
             if "real" in inputs:
                 embedding_VxD = embed(key_embed, (config.data.vocab_size, d), jnp.float32)
             for source in inputs:
@@ -372,7 +369,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if FLAGS.out_dir is None:
         raise app.UsageError("--out_dir is required")
-    norms = choice_list("norms", FLAGS.norms, theory.NORM_PLACEMENTS)
+    norms = choice_list("norms", FLAGS.norms, tuple(PLACEMENTS))
     inputs = choice_list("inputs", FLAGS.inputs, INPUTS)
     make_output_dir(FLAGS.out_dir, "--out_dir")  # before the computing, not after it
     start = time.perf_counter()
@@ -402,4 +399,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(exit_2_on_user_error(main))
+    app.run(exit_on_error(main))

@@ -5,20 +5,20 @@
 
 Every run's config is built and validated before the first run starts; a bad sweep file or
 field stops the command with exit 2 and one line naming the run. Each run trains into
-``DIR/<run id>`` via ``postnorm.run_record.run_once``: finished runs are skipped, partial ones
+``DIR/<run id>`` via ``postnorm.sweep.record.run_once``: finished runs are skipped, partial ones
 resume from their latest checkpoint, a run stopped by a non-finite step is recorded as
 ``nonfinite`` (a diverged cell of the map). Run ids name the fields the sweep varies, so
 dropping a value or varying one more field renames runs; a run uses the directory in DIR
 that holds a run of its config (its own id's first), so renamed runs are not trained again.
 ``--shard i/n`` runs every n-th run of the plan starting at i, so n hosts sharing DIR split
 the sweep; ``--workers N`` trains a shard's runs in N processes pinned to disjoint CPU sets of
-the host (``postnorm.workers``). Every invocation then rewrites the table and the map from all
+the host (``postnorm.sweep.workers``). Every invocation then rewrites the table and the map from all
 finished runs found in DIR:
 
 * ``summary.json`` / ``summary.md``: per run its id, its swept and ``--override`` fields as its
   config.json has them, the status (``stale`` for a result of another config than the sweep
   now plans, as ``--report_only`` can find), final train loss (mean of the last three logged
-  steps), L_freq, collapsed yes/no and collapse step (``postnorm.collapse``; finished runs
+  steps), L_freq, collapsed yes/no and collapse step (``postnorm.analysis.collapse``; finished runs
   only), the steps skipped as non-finite (``train.nonfinite=skip``), the rollbacks, and the
   training time over all of the run's invocations. ``--override`` may not set
   a field the run ids name (those the sweep varies; all its fields if it varies none);
@@ -35,21 +35,15 @@ import ml_collections
 import numpy as np
 from absl import app, flags, logging
 
-from postnorm.allocator import use_allocator
-from postnorm.config_args import ConfigArgError, field_path, parse_flags
+from postnorm.analysis.figures import save_figure
+from postnorm.analysis.tables import cell, markdown_table
+from postnorm.config import ConfigError, config_data, config_digest
+from postnorm.config.args import ConfigArgError, field_path, parse_flags
 from postnorm.data import DataError, load_data
-from postnorm.data.files import write_bytes_atomic, write_json_atomic
-from postnorm.json_numbers import dumps
-from postnorm.output_dir import make_output_dir
-from postnorm.plots import save_figure
-from postnorm.run_config import (
-    WorkdirConfigError,
-    config_data,
-    config_digest,
-    read_run_config,
-)
-from postnorm.run_record import is_finished, read_result, run_logged
-from postnorm.sweep import (
+from postnorm.errors import exit_on_error
+from postnorm.files import dumps, make_output_dir, write_bytes_atomic, write_json_atomic
+from postnorm.runtime.allocator import use_allocator
+from postnorm.sweep.plan import (
     RunSpec,
     SweepError,
     build_config,
@@ -59,9 +53,10 @@ from postnorm.sweep import (
     shard,
     varying_keys,
 )
-from postnorm.user_errors import exit_2_on_user_error
-from postnorm.validation import ConfigError, check_config
-from postnorm.workers import check_workers, run_pinned
+from postnorm.sweep.record import is_finished, read_result, run_logged
+from postnorm.sweep.workers import check_workers, run_pinned
+from postnorm.train.validate import check_config
+from postnorm.workdir.config_record import WorkdirConfigError, read_run_config
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -129,19 +124,11 @@ def table_row(spec: RunSpec, config: dict, result: dict | None, fields: list[str
 
 
 def markdown(rows: list[dict], keys: list[str]) -> str:
-    def fmt(value) -> str:
-        if value is None:
-            return "–"
-        if isinstance(value, bool):
-            return "yes" if value else "no"
-        return f"{value:.4g}" if isinstance(value, float) else str(value)
-
     columns = ["run_id", *keys, "status", "final_train_loss", "lfreq", "loss_over_lfreq",
                "loss_over_floor", "collapsed", "collapse_step", "skipped_steps", "rollbacks",
                "wall_s"]
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt(row.get(c)) for c in columns) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
+    table = markdown_table(columns, [[cell(row.get(c)) for c in columns] for row in rows])
+    return "\n".join(table) + "\n"
 
 
 def colour_range(rows: list[dict]) -> tuple[float, float]:
@@ -184,7 +171,7 @@ def stability_map(rows: list[dict], path: str, axes: tuple[str, str, str] = MAP_
         ax.set_ylabel(row_key)
         ax.set_title(f"{panel_key} = {panel}", fontsize=10)
     fig.colorbar(image, ax=axs[0].tolist(), label="final train loss / L_freq")
-    fig.suptitle("C (red frame): collapsed by the postnorm.collapse rule; x: stopped by a "
+    fig.suptitle("C (red frame): collapsed by the postnorm.analysis.collapse rule; x: stopped by a "
                  "non-finite step; 'k skipped': non-finite steps skipped; blank: not run yet "
                  "(or run with another config)", fontsize=9)
     save_figure(fig, path, dpi=100, bbox_inches="tight")
@@ -210,9 +197,18 @@ def planned_configs(base_config: str, specs: list[RunSpec],
     return configs
 
 
-def _recorded_digests(out_dir: str) -> dict[str, str | None]:
-    """{directory of ``out_dir``: the digest of the config it records (None: none, or one
-    that cannot be read)}."""
+def run_digests(recorded: dict) -> set[str]:
+    """The digests of the planned configs whose run a recorded ``config.json`` holds: its own,
+    and, since ``model.attention=auto`` is recorded as the kernel it chose, that of the same
+    config with ``auto``."""
+    model = recorded.get("model", {})
+    as_auto = {**recorded, "model": {**model, "attention": "auto"}}
+    return {config_digest(recorded), config_digest(as_auto)}
+
+
+def _recorded_digests(out_dir: str) -> dict[str, set[str]]:
+    """{directory of ``out_dir``: ``run_digests`` of the config it records (empty: none, or
+    one that cannot be read)}."""
     digests = {}
     for name in sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []:
         path = os.path.join(out_dir, name)
@@ -221,7 +217,7 @@ def _recorded_digests(out_dir: str) -> dict[str, str | None]:
                 recorded = read_run_config(path)
             except WorkdirConfigError:
                 recorded = None
-            digests[path] = None if recorded is None else config_digest(recorded)
+            digests[path] = set() if recorded is None else run_digests(recorded)
     return digests
 
 
@@ -234,13 +230,13 @@ def run_workdirs(out_dir: str, specs: list[RunSpec],
     hold their configs. Raises ``SweepError`` when two runs would share a directory."""
     digests = _recorded_digests(out_dir)
     holding: dict[str, str] = {}
-    for path, digest in digests.items():
-        if digest is not None:
+    for path, held in digests.items():
+        for digest in sorted(held):
             holding.setdefault(digest, path)
     workdirs, users = [], {}
     for spec, config in zip(specs, configs, strict=True):
         own, digest = os.path.join(out_dir, spec.run_id), config_digest(config)
-        path = own if digests.get(own) == digest else holding.get(digest, own)
+        path = own if digest in digests.get(own, ()) else holding.get(digest, own)
         if path != own:
             logging.info("run %s: its config ran as %s (the sweep's run ids changed); using "
                          "that directory", spec.run_id, path)
@@ -346,4 +342,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(exit_2_on_user_error(main), flags_parser=parse_flags)
+    app.run(exit_on_error(main), flags_parser=parse_flags)

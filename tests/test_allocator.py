@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from postnorm.allocator import (
+from postnorm.runtime.allocator import (
     REEXECUTED,
     TCMALLOC_LIBRARIES,
     AllocatorError,
@@ -81,7 +81,7 @@ def test_preload_command_repeats_the_command_with_the_users_preloads(orig_argv, 
 
 
 def test_missing_library_is_an_error_for_tcmalloc_and_not_for_auto(tmp_path, monkeypatch):
-    monkeypatch.setattr("postnorm.allocator.loaded_allocator", lambda: "system")
+    monkeypatch.setattr("postnorm.runtime.allocator.loaded_allocator", lambda: "system")
     empty = [str(tmp_path)]
     assert use_allocator("auto", empty) == "system"
     assert use_allocator("system", empty) == "system"
@@ -93,7 +93,7 @@ def test_missing_library_is_an_error_for_tcmalloc_and_not_for_auto(tmp_path, mon
 
 
 def test_a_preload_the_loader_ignored_is_not_retried(tmp_path, monkeypatch):
-    monkeypatch.setattr("postnorm.allocator.loaded_allocator", lambda: "system")
+    monkeypatch.setattr("postnorm.runtime.allocator.loaded_allocator", lambda: "system")
     library = _fake_library(tmp_path)
     monkeypatch.setenv(REEXECUTED, library)  # as in the re-executed process
     assert use_allocator("auto", [str(tmp_path)]) == "system"
@@ -102,7 +102,7 @@ def test_a_preload_the_loader_ignored_is_not_retried(tmp_path, monkeypatch):
 
 
 def test_a_failed_re_execution_is_an_allocator_error(tmp_path, monkeypatch):
-    monkeypatch.setattr("postnorm.allocator.loaded_allocator", lambda: "system")
+    monkeypatch.setattr("postnorm.runtime.allocator.loaded_allocator", lambda: "system")
     library = _fake_library(tmp_path)
 
     def fail(path, argv, env):
@@ -126,7 +126,7 @@ def test_bench_variants_cannot_change_the_allocator():
 @needs_tcmalloc
 @pytest.mark.parametrize("choice", ["auto", "tcmalloc"])
 def test_the_command_is_re_executed_under_tcmalloc(choice):
-    code = ("import sys; from postnorm.allocator import loaded_allocator, use_allocator; "
+    code = ("import sys; from postnorm.runtime.allocator import loaded_allocator, use_allocator; "
             f"print(use_allocator({choice!r}), loaded_allocator(), sys.argv[1:])")
     result = subprocess.run([sys.executable, "-c", code, "x", "--flag=1"], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
@@ -135,7 +135,7 @@ def test_the_command_is_re_executed_under_tcmalloc(choice):
 
 
 def test_system_stays_on_the_starting_allocator():
-    code = ("from postnorm.allocator import loaded_allocator, use_allocator; "
+    code = ("from postnorm.runtime.allocator import loaded_allocator, use_allocator; "
             "print(use_allocator('system'), loaded_allocator())")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
                             text=True, timeout=120, env={"PATH": "/usr/bin:/bin"})

@@ -1,4 +1,4 @@
-"""Tests for postnorm.checkpoint against real orbax, grain, flax and optax objects."""
+"""Tests for postnorm.workdir.checkpoint against real orbax, grain, flax and optax objects."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from flax.training.train_state import TrainState
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 from orbax.checkpoint._src.path import async_path  # orbax's tmp-directory cleanup calls this
 
-from postnorm.checkpoint import Checkpointer, CheckpointError
+from postnorm.workdir.checkpoint import Checkpointer, CheckpointError
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax 0.12.8 AtomicRenameTemporaryPath naming
 TX = optax.adamw(1e-2)  # one instance, so tree structures (static tx) compare equal

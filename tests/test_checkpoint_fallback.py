@@ -24,7 +24,7 @@ import pytest
 from flax.training.train_state import TrainState
 from jax.sharding import SingleDeviceSharding
 
-from postnorm.checkpoint import Checkpointer, CheckpointError, CheckpointReader
+from postnorm.workdir.checkpoint import Checkpointer, CheckpointError, CheckpointReader
 
 TX = optax.adam(1e-2)
 

@@ -1,4 +1,4 @@
-"""The collapse rule (postnorm.collapse) on synthetic metric records with a known answer."""
+"""The collapse rule (postnorm.analysis.collapse) on synthetic records with a known answer."""
 
 import subprocess
 import sys
@@ -6,8 +6,8 @@ import sys
 import numpy as np
 import pytest
 
-from postnorm.collapse import CollapseRule, detect_collapse
-from postnorm.metrics import layer_key
+from postnorm.analysis.collapse import CollapseRule, detect_collapse
+from postnorm.workdir.metrics import layer_key
 from tests.reliability_helpers import REPO
 
 LFREQ = 5.0
@@ -168,7 +168,7 @@ def test_no_diagnostics_is_an_error():
 STOPPED_RUNS_CHECK = """
 import math
 from experiments.collapse import markdown, norm_summary, run_row
-from postnorm.collapse import Collapse
+from postnorm.analysis.collapse import Collapse
 
 def result(status, ratio):
     return {"status": status, "final_train_loss": ratio * 5.0, "lfreq": 5.0,
@@ -223,7 +223,7 @@ def measure_run(config, workdir, train_batches):
     calls.append(train_batches)
     return {"checkpoint_step": config.train.steps, "bound": bound, "stationary_point": point}
 
-collapse.collapsed_net.measure_run = measure_run
+collapse.thm38_measure.measure_run = measure_run
 config, path = get_config("steps=5"), os.path.join(workdir, collapse.THM38_NAME)
 partial_mean = {"checkpoint_step": 5, "bound": {**bound, "mean": {"eps": 1e-5}},
                 "stationary_point": point}

@@ -1,4 +1,4 @@
-"""Theorem 3.8 measurements (postnorm.collapsed_net) on a tiny Decoder, against numpy."""
+"""Theorem 3.8 measurements (postnorm.analysis.thm38) on a tiny Decoder, against numpy."""
 
 import flax.linen as nn
 import jax
@@ -7,11 +7,12 @@ import numpy as np
 import optax
 import pytest
 
-from postnorm import collapsed_net, theory_mc
+from postnorm.analysis import monte_carlo, thm38
 from postnorm.data import load_data
 from postnorm.data.lfreq import frequency_floor
 from postnorm.model import Decoder, ModelSpec
-from postnorm.train import train_and_evaluate
+from postnorm.train.experiment import restore_run
+from postnorm.train.loop import train_and_evaluate
 from tests import numpy_reference as ref
 from tests.reliability_helpers import tiny_config, write_corpus
 
@@ -40,8 +41,8 @@ def batch(seed: int, size: int = 4) -> dict[str, np.ndarray]:
 def test_hidden_states_are_the_layer_stack_output_and_give_the_logits(norm):
     spec, params = tiny(norm)
     tokens = batch(0)["inputs"]
-    hidden, logits = collapsed_net.hidden_and_logits(spec)(params, tokens)
-    stack_out = theory_mc.LayerStack(spec).apply({"params": {"layers": params["layers"]}},
+    hidden, logits = thm38.hidden_and_logits(spec)(params, tokens)
+    stack_out = monte_carlo.LayerStack(spec).apply({"params": {"layers": params["layers"]}},
                                                  params["embedding"][tokens], None)[0]
     expected = np.asarray(stack_out, np.float64)
     if norm == "pre":
@@ -51,16 +52,16 @@ def test_hidden_states_are_the_layer_stack_output_and_give_the_logits(norm):
     np.testing.assert_allclose(logits, Decoder(spec).apply({"params": params}, tokens),
                                rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(
-        logits, np.asarray(hidden, np.float64) @ collapsed_net.lm_head_matrix(params, spec).T,
+        logits, np.asarray(hidden, np.float64) @ thm38.lm_head_matrix(params, spec).T,
         rtol=1e-4, atol=1e-4)
 
 
 def test_lm_head_matrix_of_a_tied_head_gives_the_logits():
     spec, params = tiny("post", tie_embeddings=True)
     tokens = batch(0)["inputs"]
-    hidden, logits = collapsed_net.hidden_and_logits(spec)(params, tokens)
+    hidden, logits = thm38.hidden_and_logits(spec)(params, tokens)
     np.testing.assert_allclose(
-        logits, np.asarray(hidden, np.float64) @ collapsed_net.lm_head_matrix(params, spec).T,
+        logits, np.asarray(hidden, np.float64) @ thm38.lm_head_matrix(params, spec).T,
         rtol=1e-4, atol=1e-4)
 
 
@@ -83,11 +84,11 @@ def test_bound_matches_numpy_and_holds(norm):
     spec, params = tiny(norm)
     batches = [batch(1), batch(2)]
     counts_V = np.arange(1, VOCAB + 1, dtype=np.int64)
-    out = collapsed_net.measure_bound(spec, params, batches, counts_V)
+    out = thm38.measure_bound(spec, params, batches, counts_V)
     w_VxD = np.asarray(params["lm_head"], np.float64).T
     expected, q_sum = [], np.zeros(VOCAB)
     for b in batches:
-        hidden, logits = collapsed_net.hidden_and_logits(spec)(params, b["inputs"])
+        hidden, logits = thm38.hidden_and_logits(spec)(params, b["inputs"])
         hidden, logits = np.asarray(hidden, np.float64), np.asarray(logits, np.float64)
         for i in range(len(b["inputs"])):
             expected.append(numpy_bound(hidden[i], logits[i], b["targets"][i], w_VxD))
@@ -113,12 +114,12 @@ def test_collapsed_prediction_kl_and_entropy_of_q_bar_against_numpy():
     logits in numpy."""
     spec, params = tiny("post")
     batches = [batch(1), batch(2)]
-    out = collapsed_net.measure_bound(spec, params, batches,
+    out = thm38.measure_bound(spec, params, batches,
                                       np.arange(1, VOCAB + 1, dtype=np.int64))
     w_VxD = np.asarray(params["lm_head"], np.float64).T
     shared, q_sum_V, eval_counts_V = [], np.zeros(VOCAB), np.zeros(VOCAB)
     for b in batches:
-        hidden, logits = collapsed_net.hidden_and_logits(spec)(params, b["inputs"])
+        hidden, logits = thm38.hidden_and_logits(spec)(params, b["inputs"])
         hidden, logits = np.asarray(hidden, np.float64), np.asarray(logits, np.float64)
         for h_NxD, t_N in zip(hidden, b["targets"], strict=True):
             z_V = w_VxD @ h_NxD.mean(0)
@@ -142,10 +143,10 @@ def numpy_pfreq_point(spec: ModelSpec, params: dict, targets_BxL: np.ndarray,
     ||x_bar||^2, x_bar the mean final hidden state of a sequence of ``token_id`` only (an absent
     token's p_hat: ``ABSENT_PROB``)."""
     tokens = np.full_like(targets_BxL, token_id)
-    hidden, _ = collapsed_net.hidden_and_logits(spec)(params, tokens)
+    hidden, _ = thm38.hidden_and_logits(spec)(params, tokens)
     x_bar = np.asarray(hidden, np.float64).reshape(-1, spec.d_model).mean(0)
     counts = np.bincount(targets_BxL.ravel(), minlength=spec.vocab_size)
-    log_p = np.log(np.maximum(counts / counts.sum(), collapsed_net.ABSENT_PROB))
+    log_p = np.log(np.maximum(counts / counts.sum(), thm38.ABSENT_PROB))
     return {**params, "lm_head": jnp.asarray(np.outer(x_bar, log_p) / (x_bar @ x_bar),
                                              jnp.float32)}
 
@@ -157,7 +158,7 @@ def test_constructed_pfreq_point_is_collapsed_at_lfreq_and_stationary(norm, targ
     spec, params = tiny(norm)
     b = batch(3, size=2)
     b["targets"] = b["targets"] % targets_from
-    out = collapsed_net.stationary_point(spec, params, b["inputs"], b["targets"], token_id=5)
+    out = thm38.stationary_point(spec, params, b["inputs"], b["targets"], token_id=5)
     counts = np.bincount(b["targets"].ravel(), minlength=VOCAB)
     p = counts[counts > 0] / counts.sum()
     np.testing.assert_allclose(out["lfreq_batch"], -np.sum(p * np.log(p)), rtol=1e-12)
@@ -185,7 +186,7 @@ def test_constructed_point_refuses_a_tied_head():
     spec, params = tiny("post", tie_embeddings=True)
     b = batch(3)
     with pytest.raises(ValueError, match="untied"):
-        collapsed_net.stationary_point(spec, params, b["inputs"], b["targets"], token_id=5)
+        thm38.stationary_point(spec, params, b["inputs"], b["targets"], token_id=5)
 
 
 def test_next_batches_loss_scores_the_batches_after_the_checkpoint(tmp_path):
@@ -194,8 +195,9 @@ def test_next_batches_loss_scores_the_batches_after_the_checkpoint(tmp_path):
     config = tiny_config(write_corpus(tmp_path / "corpus"), tmp_path / "tfds", train__steps=6,
                          train__ckpt_every=6, train__eval_every=100)
     train_and_evaluate(config, str(tmp_path / "run"))
-    exp, state, step, batches = collapsed_net.restore_final(config, str(tmp_path / "run"))
-    measured = collapsed_net.next_batches_loss(exp, state, batches, num_batches=3)
+    exp, state, step, batches = restore_run(config, str(tmp_path / "run"), "measure",
+                                            data_position=True)
+    measured = thm38.next_batches_loss(exp, state, batches, num_batches=3)
 
     data = load_data(config.data, seed=config.seed)
     order = data.train_iterator(batch_size=config.data.batch_size, seed=config.seed)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from postnorm import compilation_cache
-from postnorm.compilation_cache import CompilationCacheError, use_compilation_cache
+from postnorm.runtime import compilation_cache
+from postnorm.runtime.compilation_cache import CompilationCacheError, use_compilation_cache
 from tests.reliability_helpers import (
     REPO,
     config_flag,

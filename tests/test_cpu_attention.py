@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from configs.default import get_config
+from postnorm.config.schema import ConfigError
 from postnorm.kernels import build
 from postnorm.kernels.causal_attention import (
     HEAD_DIMS,
@@ -18,7 +19,7 @@ from postnorm.kernels.causal_attention import (
     cpu_causal_attention_with_stats,
 )
 from postnorm.model import REMAT_POLICIES
-from postnorm.validation import ConfigError, check_backend, check_model
+from postnorm.train.validate import check_backend, check_model
 
 SHAPES = [(2, 37, 3, 4), (1, 64, 2, 16), (3, 50, 2, 32), (1, 19, 1, 128), (16, 128, 4, 16),
           (1, 1, 1, 8), (2, 24, 2, 64), (1, 17, 1, 256)]
@@ -212,7 +213,8 @@ def test_a_build_directory_that_cannot_be_made_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (dict(dtype="bfloat16"), "model.dtype=float32"),
+    (dict(dtype="bfloat16"), r"computes in float32, but model.dtype='bfloat16'; change that or "
+                              "set model.attention=auto or blocked"),
     (dict(d_model=600, n_heads=2), r"head dims up to 256, but .* 600/2 = 300"),
 ])
 def test_config_errors_name_the_fields(overrides, match):
@@ -232,5 +234,6 @@ def test_head_dims_of_the_config_check_are_those_the_kernel_is_built_for():
 def test_another_backend_is_refused():
     config = get_config()
     config.model.attention = "cpu"
-    with pytest.raises(ConfigError, match="model.attention=xla"):
+    with pytest.raises(ConfigError, match="is a CPU kernel, but JAX runs on 'gpu'; set "
+                                          "model.attention=auto or blocked"):
         check_backend(config, platform="gpu")

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from postnorm.data import DataError, check_data_config, files, load_data
+from postnorm import files
+from postnorm.data import DataError, check_data_config, load_data
 from tests.test_data_pipeline import WORDS, make_config, window_stream
 
 NUM_TRAIN, NUM_VALIDATION = 60, 10

@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from postnorm import diagnostics as dg
-from postnorm.layers import RMSNorm
+from postnorm.diagnostics import stats as dg
+from postnorm.model.layers import RMSNorm
 
 
 def numpy_tsim(x_LxD: np.ndarray) -> float:

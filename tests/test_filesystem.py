@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from postnorm.checkpoint import Checkpointer
-from postnorm.data import files, load_data
+from postnorm import files
+from postnorm.data import load_data
+from postnorm.workdir.checkpoint import Checkpointer
 from tests.reliability_helpers import (
     REPO,
     config_flag,

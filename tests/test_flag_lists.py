@@ -1,9 +1,9 @@
-"""The experiments' list flags (postnorm.flag_lists): values as typed in the messages."""
+"""The experiments' list flags (postnorm.config.list_flags): values as typed in the messages."""
 
 import pytest
 from absl import app
 
-from postnorm.flag_lists import choice_list, integer_list
+from postnorm.config.list_flags import choice_list, integer_list
 
 
 def test_integer_lists():

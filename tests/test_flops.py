@@ -1,4 +1,4 @@
-"""Model FLOPs (postnorm.flops) against XLA's own count, and the benchmark script end to end."""
+"""Model FLOPs (postnorm.model.flops) against XLA's own count, and the benchmark script."""
 
 import json
 import subprocess
@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from postnorm.flops import forward_flops_per_token, matmul_params, train_flops_per_token
 from postnorm.model import Decoder, ModelSpec
+from postnorm.model.flops import forward_flops_per_token, matmul_params, train_flops_per_token
 
 
 def xla_forward_flops(spec: ModelSpec, tokens: jax.Array) -> float:

@@ -10,10 +10,12 @@ import sys
 
 import pytest
 
-from postnorm import json_numbers, metrics, train
-from postnorm.data import files
-from postnorm.data.files import write_json_atomic
-from postnorm.metrics import (
+from postnorm import files
+from postnorm.analysis.figures import plots_after_training
+from postnorm.files import from_text, write_json_atomic
+from postnorm.train import loop, reporter
+from postnorm.train.loop import train_and_evaluate
+from postnorm.workdir.metrics import (
     MetricsFileError,
     MetricsWriteError,
     MetricWriter,
@@ -83,7 +85,8 @@ def test_plots_that_cannot_be_written_do_not_fail_a_finished_run(tmp_path, caplo
     workdir.mkdir()
     (workdir / "plots").write_text("a file where the plots directory goes")
     config = tiny_config(write_corpus(tmp_path / "corpus"), tmp_path / "tfds", train__steps=2)
-    train.train_and_evaluate(config, str(workdir))
+    train_and_evaluate(config, str(workdir))
+    plots_after_training(str(workdir))  # as main.py and the sweep do
     assert sorted(read_losses(workdir)) == [1, 2] and (workdir / "checkpoints" / "2").is_dir()
     assert "its plots could not be written" in caplog.text
     assert f"--mode=plots --workdir {workdir}" in caplog.text
@@ -123,7 +126,7 @@ def test_a_reopened_writer_keeps_the_old_events_and_hides_the_repeated_steps(tmp
                                                            4: [40.0]}
 
 
-@pytest.mark.parametrize("module", ["postnorm.run_summary", "main"])
+@pytest.mark.parametrize("module", ["postnorm.analysis.summary", "main"])
 def test_a_run_that_has_not_logged_yet_is_a_one_line_error(tmp_path, module):
     """run_summary and --mode=report on a run in its first seconds (metrics.jsonl empty)."""
     (tmp_path / "metrics.jsonl").write_text("")
@@ -157,14 +160,14 @@ def test_nonfinite_values_are_written_as_text_and_read_back_as_floats(tmp_path):
     write_json_atomic(tmp_path / "summary.json", summary)
     text = (tmp_path / "summary.json").read_text()
     assert json.loads(text, **strict)["runs"][0]["ratio"] == "inf"
-    back = json_numbers.from_text(json.loads(text))
+    back = from_text(json.loads(text))
     assert math.isnan(back["loss"]) and back["runs"] == [{"ratio": math.inf}, 1.0]
 
 
 def test_the_step_rate_leaves_out_the_excluded_time(monkeypatch):
     clock = iter([100.0, 105.0, 108.0])
-    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
-    progress = metrics.Progress(total_steps=100, tokens_per_step=10, start_step=0)
+    monkeypatch.setattr(reporter.time, "perf_counter", lambda: next(clock))
+    progress = reporter.Progress(total_steps=100, tokens_per_step=10, start_step=0)
     assert progress.report(1, {"train/loss": 1.0, "train/lr": 0.1}, 0.5)[1] is None
     progress.exclude(3.0)  # e.g. an eval and a compile between the two reports
     line, tokens_per_s = progress.report(3, {"train/loss": 1.0, "train/lr": 0.1}, 0.5)
@@ -178,13 +181,13 @@ def test_a_damaged_metrics_file_stops_training_before_anything_is_built(tmp_path
     def build(*args, **kwargs):
         raise AssertionError("the experiment was built before the metrics file was checked")
 
-    monkeypatch.setattr(train, "build_experiment", build)
+    monkeypatch.setattr(loop, "build_experiment", build)
     config = tiny_config(write_corpus(tmp_path / "corpus"), tmp_path / "tfds")
     workdir = tmp_path / "run"
     workdir.mkdir()
     (workdir / "metrics.jsonl").write_bytes(b'{"step": 1, "a": 1}\nnot json\n')
     with pytest.raises(MetricsFileError, match="line 2 is not a step's JSON record"):
-        train.train_and_evaluate(config, str(workdir))
+        train_and_evaluate(config, str(workdir))
     assert (workdir / "metrics.jsonl").read_bytes() == b'{"step": 1, "a": 1}\nnot json\n'
 
 

@@ -8,12 +8,27 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from postnorm.initializers import INIT_SCHEMES, embedding_init, kernel_init, kernel_variance
-from postnorm.layers import CausalSelfAttention, RMSNorm, SwiGLU, causal_attention_weights
-from postnorm.model import Decoder, ModelSpec, param_count_formula
+from postnorm.model import Decoder, ModelSpec, param_counts
+from postnorm.model.initializers import embedding_init, kernel_init
+from postnorm.model.layers import CausalSelfAttention, RMSNorm, SwiGLU, causal_attention_weights
+from postnorm.theory import INIT_SCHEMES, kernel_variance
 from tests import numpy_reference as ref
 
 TINY = dict(vocab_size=50, max_len=12, n_layers=3, d_model=16, n_heads=4, d_ff=24)
+
+
+def params_by_hand(spec: ModelSpec) -> dict[str, int]:
+    """The parameter groups of the architecture, counted from its definition."""
+    d, f = spec.d_model, spec.d_ff
+    counts = {"embedding": spec.vocab_size * d,
+              "layers": spec.n_layers * (4 * d * d + 3 * d * f + 2 * d)}
+    if spec.positions == "learned":
+        counts["pos_embedding"] = spec.max_len * d
+    if spec.norm == "pre":
+        counts["final_norm"] = d
+    if not spec.tie_embeddings:
+        counts["lm_head"] = d * spec.vocab_size
+    return {**counts, "total": sum(counts.values())}
 
 
 def init_params(spec: ModelSpec, seed: int = 0):
@@ -27,7 +42,9 @@ def init_params(spec: ModelSpec, seed: int = 0):
 def test_shapes_and_param_count(norm, positions, tie):
     spec = ModelSpec(**TINY, norm=norm, positions=positions, tie_embeddings=tie)
     params = init_params(spec)
-    assert sum(x.size for x in jax.tree.leaves(params)) == param_count_formula(spec)["total"]
+    counted = param_counts(spec)
+    assert counted["total"] == sum(x.size for x in jax.tree.leaves(params))
+    assert counted == params_by_hand(spec)
     assert params["layers"]["attn"]["w_q"].shape == (3, 16, 16)
     assert params["layers"]["ffn"]["w_down"].shape == (3, 24, 16)
     tokens = jnp.arange(2 * 12).reshape(2, 12) % 50
@@ -37,7 +54,8 @@ def test_shapes_and_param_count(norm, positions, tie):
 def test_paper_param_count():
     spec = ModelSpec(vocab_size=32128, max_len=2048, n_layers=48, d_model=512, n_heads=4,
                      d_ff=1536, tie_embeddings=True)
-    counts = param_count_formula(spec)
+    counts = param_counts(spec)
+    assert counts == params_by_hand(spec)
     assert counts["layers"] == 48 * (4 * 512**2 + 3 * 512 * 1536 + 2 * 512)
     assert 175e6 < counts["total"] < 185e6
 

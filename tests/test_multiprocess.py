@@ -20,9 +20,10 @@ import pytest
 from postnorm.data import load_data
 from postnorm.data.lfreq import frequency_floor
 from postnorm.model import ModelSpec
-from postnorm.optim import make_optimizer
-from postnorm.sharding import batch_sharding, make_mesh
-from postnorm.step_builder import compile_steps
+from postnorm.runtime.mesh import batch_sharding, make_mesh
+from postnorm.train.losses import Loss
+from postnorm.train.optim import make_optimizer
+from postnorm.train.programs import compile_steps
 from tests.reliability_helpers import (
     REPO,
     config_flag,
@@ -82,7 +83,7 @@ def _reference_losses(config) -> tuple[dict[int, float], float, dict[int, float]
                                  max_len=config.data.seq_len)
     tx, schedule = make_optimizer(config.opt, config.train.steps)
     mesh = make_mesh(config.mesh, jax.devices()[:2])
-    steps = compile_steps(spec, tx, schedule, mesh)
+    steps = compile_steps(spec, tx, schedule, mesh, Loss())
     shards = [data.train_iterator(batch_size=4, seed=config.seed, process_index=i,
                                   process_count=2) for i in range(2)]
     state, losses, floors = steps.init(config.seed), {}, {}

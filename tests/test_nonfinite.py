@@ -19,10 +19,11 @@ import pytest
 from configs.default import get_config
 from postnorm.data import load_data
 from postnorm.model import ModelSpec
-from postnorm.nonfinite import GuardedState, guard
-from postnorm.optim import make_optimizer
-from postnorm.sharding import batch_sharding, make_mesh
-from postnorm.step_builder import compile_steps
+from postnorm.runtime.mesh import batch_sharding, make_mesh
+from postnorm.train.losses import Loss
+from postnorm.train.optim import make_optimizer
+from postnorm.train.programs import compile_steps
+from postnorm.train.state import GuardedState, guard
 from tests.reliability_helpers import (
     config_flag,
     finalized_steps,
@@ -49,7 +50,7 @@ def _steps_and_batch(halt: bool):
     spec = ModelSpec.from_config(config.model, vocab_size=64, max_len=16)
     tx, schedule = make_optimizer(config.opt, 10)
     mesh = make_mesh(config.mesh, jax.devices()[:1])
-    steps = compile_steps(spec, tx, schedule, mesh, halt_on_nonfinite=halt)
+    steps = compile_steps(spec, tx, schedule, mesh, Loss(), halt_on_nonfinite=halt)
     tokens = np.random.default_rng(0).integers(0, 64, size=(8, 17)).astype(np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in batch.items()}

@@ -4,7 +4,7 @@ statistics, backward taps, per-layer norms) form their own group; the train step
 import collections
 
 from benchmarks.op_groups import hlo_op_names, op_group
-from benchmarks.programs import build_programs
+from benchmarks.programs import timed_programs
 from configs.default import get_config
 
 
@@ -17,7 +17,7 @@ def _groups(program) -> collections.Counter:
 def test_the_diagnostic_statistics_are_a_group_of_their_own():
     config = get_config("model.n_layers=2,model.d_model=32,model.d_ff=64,data.seq_len=32,"
                         "data.batch_size=8")
-    programs, _ = build_programs(config, ["train", "diag"], vocab=64)
+    programs, _ = timed_programs(config, ["train", "diag"], vocab=64)
     train, diag = _groups(programs["train"]), _groups(programs["diag"])
     assert not [g for g in train if g[0] == "diag_stats"], train
     assert diag[("diag_stats", "forward")] > 0, diag  # tsim, c, attention rows, effective rank

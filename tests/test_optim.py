@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from postnorm.optim import make_optimizer
+from postnorm.train.optim import make_optimizer
 
 
 def numpy_lr(opt: ml_collections.ConfigDict, total_steps: int, step: int) -> float:

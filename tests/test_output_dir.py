@@ -5,8 +5,8 @@ import tempfile
 
 import pytest
 
-from postnorm.output_dir import OutputDirError, make_output_dir
-from postnorm.user_errors import USER_ERRORS
+from postnorm.errors import UserError
+from postnorm.files import OutputDirError, make_output_dir
 
 
 def test_a_directory_is_created_with_its_parents_and_left_empty(tmp_path):
@@ -23,7 +23,7 @@ def test_a_path_through_or_at_a_file_is_refused_naming_the_flag(tmp_path):
                                                  rf"written \({why}\); give a directory"):
             make_output_dir(str(path), "--out_dir")
     assert (tmp_path / "f").read_text() == "kept"
-    assert OutputDirError in USER_ERRORS  # entry points print it in one line and exit 2
+    assert issubclass(OutputDirError, UserError)  # entry points print it in one line, exit 2
 
 
 def test_a_directory_that_cannot_be_written_is_refused(tmp_path, monkeypatch):

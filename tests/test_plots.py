@@ -8,8 +8,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
-from postnorm.metrics import layer_key
-from postnorm.plots import _heatmap, cell_edges, layer_series, render_run_plots
+from postnorm.analysis.figures import _heatmap, cell_edges, render_run_plots
+from postnorm.workdir.metrics import layer_key, layer_series
 
 
 @pytest.mark.parametrize("steps", [[1, 10, 20, 30], [5], [1, 2, 50]])

@@ -1,4 +1,4 @@
-"""The HTML run report (postnorm.report, ``main.py --mode=report``) on synthetic metrics."""
+"""The HTML report (postnorm.analysis.report, ``main.py --mode=report``) on synthetic metrics."""
 
 import base64
 import json
@@ -9,10 +9,11 @@ import sys
 import pytest
 
 from configs.default import get_config
-from postnorm import forensics, report
-from postnorm.metrics import MetricsFileError, layer_key
-from postnorm.plots import render_run_plots
-from postnorm.run_config import WorkdirConfigError
+from postnorm.analysis import report
+from postnorm.analysis.figures import render_run_plots
+from postnorm.train import forensics
+from postnorm.workdir.config_record import WorkdirConfigError
+from postnorm.workdir.metrics import MetricsFileError, layer_key
 
 N_LAYERS, STEPS = 6, list(range(10, 101, 10))
 FIGURES = ["loss_vs_lfreq", "tsim", "layers", "dldx", "heatmap_tsim", "heatmap_dldx",

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 
 from configs.default import get_config
-from postnorm import collapse_plots, metrics, plots, report, run_summary, train
-from postnorm.metrics import layer_key, truncate_jsonl
+from postnorm.analysis import collapse_figures, figures, report, summary
+from postnorm.train import reporter
+from postnorm.train.loop import train_and_evaluate
+from postnorm.workdir.metrics import layer_key, read_metrics, truncate_jsonl
 from tests.reliability_helpers import REPO, tiny_config, write_corpus
 
 LFREQ = 5.0
@@ -55,7 +57,7 @@ def write_summary_run(workdir) -> None:
 
 def test_summarize_reports_hand_computed_ratios(tmp_path):
     write_summary_run(tmp_path)
-    got = run_summary.summarize(str(tmp_path))
+    got = summary.summarize(str(tmp_path))
     loss = (6.0 + 5.6 + 5.3) / 3  # the last three logged train losses
     floor = (5.3 + 5.1 + 4.8) / 3  # their batches' floors
     assert got["final_step"] == 30
@@ -96,8 +98,8 @@ def test_truncation_keeps_exactly_the_records_up_to_the_checkpoint(tmp_path):
 
 def test_the_eta_in_hours_shows_minutes(monkeypatch):
     clock = iter([0.0, 1.0])
-    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
-    progress = metrics.Progress(total_steps=3726, tokens_per_step=1, start_step=0)
+    monkeypatch.setattr(reporter.time, "perf_counter", lambda: next(clock))
+    progress = reporter.Progress(total_steps=3726, tokens_per_step=1, start_step=0)
     progress.report(0, {"train/loss": 1.0, "train/lr": 0.1}, 0.5)
     line, _ = progress.report(1, {"train/loss": 1.0, "train/lr": 0.1}, 0.5)
     assert line.endswith("ETA 1h02m")  # 3725 steps at 1 step/s = 1 h 2 min 5 s
@@ -114,10 +116,10 @@ def test_the_trainer_counts_batch_size_times_seq_len_tokens_a_step(tmp_path, mon
         seen.update(total_steps=total_steps, tokens_per_step=tokens_per_step)
         raise StoppedAtProgressError
 
-    monkeypatch.setattr(train, "Progress", progress)
+    monkeypatch.setattr(reporter, "Progress", progress)
     config = tiny_config(write_corpus(tmp_path / "corpus"), tmp_path / "tfds")
     with pytest.raises(StoppedAtProgressError):
-        train.train_and_evaluate(config, str(tmp_path / "run"))
+        train_and_evaluate(config, str(tmp_path / "run"))
     assert seen == {"total_steps": 20, "tokens_per_step": 8 * 32}  # batch 8 x 32 tokens
 
 
@@ -125,15 +127,15 @@ def test_the_trainer_counts_batch_size_times_seq_len_tokens_a_step(tmp_path, mon
 @pytest.fixture
 def kept_figures(monkeypatch):
     """The figures save_figure is given, kept open: {file name: Figure}."""
-    figures = {}
+    kept = {}
 
     def keep(fig, path, **kwargs):
-        figures[path.rsplit("/", 1)[-1]] = fig
+        kept[path.rsplit("/", 1)[-1]] = fig
 
-    monkeypatch.setattr(plots, "save_figure", keep)
-    monkeypatch.setattr(collapse_plots, "save_figure", keep)
-    yield figures
-    for fig in figures.values():
+    monkeypatch.setattr(figures, "save_figure", keep)
+    monkeypatch.setattr(collapse_figures, "save_figure", keep)
+    yield kept
+    for fig in kept.values():
         plt.close(fig)
 
 
@@ -146,7 +148,7 @@ def test_heatmaps_take_log10_of_the_gradients_only(tmp_path, kept_figures):
     steps = np.array([1, 10])
     dldx = np.array([[1e-3, 1e-1], [10.0, 100.0]])
     tsim = np.array([[0.2, 0.5], [0.9, 0.99]])
-    plots.plot_heatmaps({"dldx_norm_attn": (steps, dldx), "tsim_attn": (steps, tsim)},
+    figures.plot_heatmaps({"dldx_norm_attn": (steps, dldx), "tsim_attn": (steps, tsim)},
                         str(tmp_path))
     shown_dldx = kept_figures["heatmap_dldx.png"].axes[0].collections[0].get_array()
     np.testing.assert_allclose(np.asarray(shown_dldx).reshape(2, 2), [[-3, -1], [1, 2]])
@@ -156,7 +158,7 @@ def test_heatmaps_take_log10_of_the_gradients_only(tmp_path, kept_figures):
 
 def test_the_loss_figure_plots_each_series_at_its_own_steps(tmp_path, kept_figures):
     write_summary_run(tmp_path)
-    plots.plot_loss(plots.read_metrics(str(tmp_path)), str(tmp_path))
+    figures.plot_loss(read_metrics(str(tmp_path)), str(tmp_path))
     lines = _lines(kept_figures["loss_vs_lfreq.png"].axes[0])
     np.testing.assert_array_equal(lines["train loss"][0], list(TRAIN))
     np.testing.assert_array_equal(lines["train loss"][1], [v[0] for v in TRAIN.values()])
@@ -169,8 +171,8 @@ def test_the_loss_figure_plots_each_series_at_its_own_steps(tmp_path, kept_figur
 
 def test_the_run_loss_figure_divides_each_loss_by_its_batch_floor(tmp_path, kept_figures):
     write_summary_run(tmp_path)
-    records = plots.read_metrics(str(tmp_path))
-    collapse_plots.plot_loss_runs({"post_seed0": records}, str(tmp_path / "loss.png"))
+    records = read_metrics(str(tmp_path))
+    collapse_figures.plot_loss_runs({"post_seed0": records}, str(tmp_path / "loss.png"))
     ax, ax_ratio = kept_figures["loss.png"].axes[:2]
     np.testing.assert_allclose(_lines(ax)["post_seed0"][1], [v[0] for v in TRAIN.values()])
     np.testing.assert_allclose(_lines(ax_ratio)["post_seed0"][1],
@@ -186,8 +188,8 @@ def test_layer_lines_plot_one_over_y_rms_and_c_and_gradients_on_a_log_scale(tmp_
     series = {f"y_rms_mean_{k}": (steps, y_rms) for k in ("attn", "ffn")}
     series |= {f"c_mean_{k}": (steps, c) for k in ("attn", "ffn")}
     series |= {f"dldx_norm_{k}": (steps, grad) for k in ("attn", "ffn")}
-    collapse_plots.plot_layer_lines(series, (1, 10), str(tmp_path / "layers.png"))
-    collapse_plots.plot_dldx_lines(series, (1, 10), str(tmp_path / "dldx.png"))
+    collapse_figures.plot_layer_lines(series, (1, 10), str(tmp_path / "layers.png"))
+    collapse_figures.plot_dldx_lines(series, (1, 10), str(tmp_path / "dldx.png"))
     layers_fig, dldx_fig = kept_figures["layers.png"], kept_figures["dldx.png"]
     panels = [ax for ax in layers_fig.axes if ax.get_lines()]  # the colour bars hold none
     for ax, want in zip(panels, [1 / y_rms, 1 / y_rms, c, c], strict=True):
@@ -271,7 +273,7 @@ COLLAPSE_CHECK = r"""
 import math
 import numpy as np
 from experiments.collapse import markdown, norm_summary, run_row
-from postnorm.collapse import Collapse
+from postnorm.analysis.collapse import Collapse
 
 def result(status, over_lfreq, over_floor):
     return {"status": status, "final_train_loss": over_lfreq * 5.0, "lfreq": 5.0,
@@ -324,7 +326,7 @@ SWEEP_CHECK = r"""
 import numpy as np
 import matplotlib.pyplot as plt
 from experiments import sweep as sweep_cli
-from postnorm.sweep import RunSpec
+from postnorm.sweep.plan import RunSpec
 
 spec = RunSpec("n_layers=2", (("model.n_layers", 2),))
 result = {"status": "done", "config_digest": "D", "final_train_loss": 6.0, "lfreq": 5.0,
@@ -368,7 +370,7 @@ import contextlib, io, json, types
 import numpy as np
 from absl import app
 import experiments.batch_floors as bf
-from postnorm.config_args import parse_flags
+from postnorm.config.args import parse_flags
 
 # floor of the batch of step s (1-based) is s**2; no data is read
 bf.floors_per_step = lambda config, seed, steps: np.arange(1, steps + 1, dtype=float) ** 2

@@ -12,9 +12,9 @@ import signal
 import numpy as np
 import pytest
 
-from postnorm.metrics import truncate_jsonl
-from postnorm.preemption import Preempted, PreemptionWatch
-from postnorm.train import train_and_evaluate
+from postnorm.runtime.preemption import Preempted, PreemptionWatch
+from postnorm.train.loop import train_and_evaluate
+from postnorm.workdir.metrics import truncate_jsonl
 from tests.reliability_helpers import (
     config_flag,
     finalized_steps,
@@ -169,8 +169,8 @@ def test_a_stop_asked_for_during_the_last_step_finishes_the_run(tmp_path, monkey
     monkeypatch.setattr(PreemptionWatch, "should_stop", lambda self, step: True)
     corpus = write_corpus(tmp_path / "corpus")
     one_step = tiny_config(corpus, tmp_path / "tfds", train__steps=1)
-    train_and_evaluate(one_step, str(tmp_path / "one"))
-    assert (tmp_path / "one" / "plots").is_dir()
+    final = train_and_evaluate(one_step, str(tmp_path / "one"))  # returns: no Preempted
+    assert "eval/loss" in final and (tmp_path / "one" / "checkpoints" / "1").is_dir()
     two_steps = tiny_config(corpus, tmp_path / "tfds", train__steps=2)
     with pytest.raises(Preempted, match="preempted at step 1"):
         train_and_evaluate(two_steps, str(tmp_path / "two"))

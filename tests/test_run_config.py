@@ -7,9 +7,10 @@ import sys
 import pytest
 
 from configs.default import get_config
-from postnorm import collapsed_net, run_config
-from postnorm.run_config import WorkdirConfigError
-from postnorm.train import evaluate_checkpoint, train_and_evaluate
+from postnorm.train.experiment import restore_run
+from postnorm.train.loop import evaluate_checkpoint, train_and_evaluate
+from postnorm.workdir import config_record as run_config
+from postnorm.workdir.config_record import WorkdirConfigError
 from tests.reliability_helpers import REPO, subprocess_env
 
 
@@ -120,6 +121,11 @@ def test_a_config_recorded_before_a_field_existed_names_the_field(tmp_path):
         run_config.check_run_config(str(workdir), config)
 
 
+def measure_restore(config, workdir):
+    """The restore the Theorem 3.8 measurement starts from."""
+    return restore_run(config, workdir, "measure", data_position=True)
+
+
 @pytest.mark.parametrize("text", ['{"model": {"n_lay', "[1, 2]", "{}", "\udcff"])
 def test_an_unreadable_config_json_names_the_file(tmp_path, text):
     workdir = tmp_path / "run"
@@ -130,7 +136,7 @@ def test_an_unreadable_config_json_names_the_file(tmp_path, text):
 
 
 @pytest.mark.parametrize("entry", [train_and_evaluate, evaluate_checkpoint,
-                                   collapsed_net.restore_final])
+                                   measure_restore])
 def test_training_and_eval_refuse_another_model_before_writing_anything(tmp_path, entry):
     workdir, config = recorded_run(tmp_path)
     before = listing(workdir)

@@ -4,9 +4,10 @@ import json
 
 import pytest
 
-from postnorm import collapsed_net, run_data
-from postnorm.run_data import WorkdirDataError
-from postnorm.train import evaluate_checkpoint, train_and_evaluate
+from postnorm.train.experiment import restore_run
+from postnorm.train.loop import evaluate_checkpoint, train_and_evaluate
+from postnorm.workdir import data_record as run_data
+from postnorm.workdir.data_record import WorkdirDataError
 from tests.reliability_helpers import read_records, tiny_config, write_corpus
 from tests.test_run_config import listing
 
@@ -17,7 +18,7 @@ INFO = {"path": "/data/a", "fingerprint": "f" * 64,
 def recorded(tmp_path, info: dict = INFO):
     workdir = tmp_path / "run"
     workdir.mkdir()
-    (workdir / run_data.DATA_INFO_NAME).write_text(json.dumps(info))
+    (workdir / "data_info.json").write_text(json.dumps(info))
     return str(workdir)
 
 
@@ -41,10 +42,15 @@ def test_a_missing_record_passes():
     run_data.check_run_data("/nonexistent/run", INFO, "/data", "resume")
 
 
+def measure_restore(config, workdir):
+    """The restore the Theorem 3.8 measurement starts from."""
+    return restore_run(config, workdir, "measure", data_position=True)
+
+
 @pytest.mark.parametrize("text", ['{"fingerprint": "f', "[1]"])
 def test_a_damaged_record_is_named(tmp_path, text):
     workdir = recorded(tmp_path)
-    path = f"{workdir}/{run_data.DATA_INFO_NAME}"
+    path = f"{workdir}/data_info.json"
     with open(path, "w") as f:
         f.write(text)
     with pytest.raises(WorkdirDataError, match=f"{path} .*restore it, or delete it"):
@@ -62,7 +68,7 @@ def test_resume_and_eval_refuse_a_corpus_changed_after_training(tmp_path):
     first_doc.write_text(original + "\nan edited line.")
     before = listing(tmp_path / "run")
     for entry, action in ((train_and_evaluate, "resume"), (evaluate_checkpoint, "evaluate"),
-                          (collapsed_net.restore_final, "measure")):
+                          (measure_restore, "measure")):
         with pytest.raises(WorkdirDataError, match=f"cannot {action} {workdir} on this data: "
                                                    ".*fingerprint"):
             entry(config, workdir)

@@ -1,5 +1,5 @@
-"""Sweep planning and sharding (postnorm.sweep), the run-once logic that makes sweeps resumable
-(postnorm.run_record), and the sweep's table and map (experiments.sweep)."""
+"""Sweep planning and sharding (postnorm.sweep.plan), the run-once logic that makes sweeps resumable
+(postnorm.sweep.record), and the sweep's table and map (experiments.sweep)."""
 
 import json
 import os
@@ -15,12 +15,15 @@ from absl import app
 
 from configs.default import get_config
 from experiments import sweep as sweep_cli
-from postnorm import json_numbers, run_config, run_record, sweep
-from postnorm.metrics import layer_key
-from postnorm.nonfinite import NonFiniteError
-from postnorm.output_dir import OutputDirError
-from postnorm.preemption import Preempted
-from postnorm.train import train_and_evaluate
+from postnorm.errors import NonFiniteError
+from postnorm.files import OutputDirError, dumps
+from postnorm.runtime.preemption import Preempted
+from postnorm.sweep import plan as sweep
+from postnorm.sweep import record as run_record
+from postnorm.train.loop import train_and_evaluate
+from postnorm.train.programs import resolve_attention
+from postnorm.workdir import config_record as run_config
+from postnorm.workdir.metrics import layer_key
 from tests.reliability_helpers import REPO
 
 STABILITY = "configs/sweeps/stability.py"
@@ -79,8 +82,8 @@ class RecordingTrainer:
 
     def __call__(self, config, workdir):
         self.calls.append(workdir)
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2))
+        with open(os.path.join(workdir, "config.json"), "w") as f:  # the kernel auto chose
+            f.write(resolve_attention(config).to_json_best_effort(indent=2))
         last = self.stop_at or config.train.steps
         with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
             for step in range(1, last + 1):
@@ -90,7 +93,7 @@ class RecordingTrainer:
                     record["train/skipped_steps"] = int(np.isnan(self.losses[:step]).sum())
                 for layer in range(config.model.n_layers):
                     record[layer_key("diag/tsim_attn", layer, config.model.n_layers)] = 0.5
-                f.write(json_numbers.dumps(record) + "\n")  # as MetricWriter writes NaN
+                f.write(dumps(record) + "\n")  # as MetricWriter writes NaN
         os.makedirs(os.path.join(workdir, "checkpoints", str(last)), exist_ok=True)
         if self.nonfinite:
             raise NonFiniteError("step 3 has a non-finite loss")
@@ -163,7 +166,7 @@ def test_a_damaged_result_is_named_and_deleting_it_records_the_run_again(tmp_pat
     config, workdir = small_config(), str(tmp_path / "run")
     trainer = RecordingTrainer()
     first = run_record.run_once(config, workdir, train_fn=trainer)
-    path = os.path.join(workdir, run_record.RESULT_NAME)
+    path = os.path.join(workdir, "result.json")
     with open(path, "w") as f:
         f.write(text)
     for call in (lambda: run_record.is_finished(workdir, config),
@@ -182,7 +185,7 @@ def test_a_damaged_wall_time_is_refused_before_training(tmp_path):
     config, workdir = small_config(), str(tmp_path / "run")
     os.makedirs(workdir)
     RecordingTrainer(stop_at=2)(config, workdir)  # a partial run
-    path = os.path.join(workdir, run_record.WALL_TIME_NAME)
+    path = os.path.join(workdir, "wall_time.json")
     with open(path, "w") as f:
         f.write('{"train_s": 3.0')
     trainer = RecordingTrainer()
@@ -198,14 +201,14 @@ def test_a_wall_time_recorded_without_a_config_digest_restarts_the_total(tmp_pat
     """The format of versions before the digest was recorded: not damaged, not carried over."""
     config, workdir = small_config(), str(tmp_path / "run")
     os.makedirs(workdir)
-    with open(os.path.join(workdir, run_record.WALL_TIME_NAME), "w") as f:
+    with open(os.path.join(workdir, "wall_time.json"), "w") as f:
         f.write('{"train_s": 1000.0}')
     assert run_record.run_once(config, workdir, train_fn=RecordingTrainer())["wall_s"] < 100
 
 
 def test_a_result_that_cannot_be_read_is_named_with_its_own_fix(tmp_path):
     workdir = tmp_path / "run"
-    (workdir / run_record.RESULT_NAME).mkdir(parents=True)
+    (workdir / "result.json").mkdir(parents=True)
     with pytest.raises(run_record.RunRecordError, match=r"result.json cannot be read \(Is a "
                                                         r"directory\): make it a readable file"):
         run_record.read_result(str(workdir))
@@ -315,7 +318,7 @@ def test_run_once_with_the_real_trainer_skips_and_resumes(tmp_path):
     assert first["status"] == "done" and first["final_step"] == 12 and len(calls) == 1
     assert run_record.run_once(config, workdir, train_fn=train_fn) == first and len(calls) == 1
     shutil.rmtree(os.path.join(workdir, "checkpoints", "12"))
-    os.remove(os.path.join(workdir, run_record.RESULT_NAME))
+    os.remove(os.path.join(workdir, "result.json"))
     resumed = run_record.run_once(config, workdir, train_fn=train_fn)
     assert len(calls) == 2 and resumed["resumed_from_step"] == 8
     assert resumed["final_train_loss"] == first["final_train_loss"]
@@ -385,7 +388,7 @@ def test_a_run_that_skipped_steps_is_reported_with_its_skips_and_nan_loss(tmp_pa
     skipped = run_record.read_result(str(tmp_path / specs[1].run_id))
     assert skipped["status"] == "done" and skipped["skipped_steps"] == 2
     assert np.isnan(skipped["final_train_loss"])  # the mean of the last three holds a NaN
-    raw = (tmp_path / specs[1].run_id / run_record.RESULT_NAME).read_text()
+    raw = (tmp_path / specs[1].run_id / "result.json").read_text()
     json.loads(raw, parse_constant=lambda c: pytest.fail(f"bare {c} in result.json"))
     rows = sweep_cli.write_summary(base, specs, str(tmp_path), {"steps": "4"})
     assert [(r["status"], r["skipped_steps"]) for r in rows[:3]] == [

@@ -10,11 +10,11 @@ import optax
 import pytest
 from flax.training.train_state import TrainState
 
-from postnorm.diag_step import diag_step, flatten_diagnostics, with_update_norms
-from postnorm.metrics import layer_key
+from postnorm.diagnostics.taps import gradient_stats, zero_probes
 from postnorm.model import Decoder, ModelSpec
-from postnorm.steps import cross_entropy, train_step
-from postnorm.taps import gradient_stats, zero_probes
+from postnorm.train.losses import Loss, cross_entropy
+from postnorm.train.steps import diag_step, train_step, with_update_norms
+from postnorm.workdir.metrics import flatten_diagnostics, layer_key
 from tests import jax_reference as ref
 
 SPEC = dict(vocab_size=40, max_len=16, n_layers=3, d_model=16, n_heads=4, d_ff=24,
@@ -81,8 +81,8 @@ def diag_step_of(norm: str, kernel: str = "einsum"):
     setup(norm, kernel=kernel) with AdamW at lr 1e-3, on the host."""
     _, model, params, inputs, targets = setup(norm, kernel=kernel)
     state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(1e-3))
-    step = with_update_norms(functools.partial(diag_step,
-                                               schedule=optax.constant_schedule(1e-3)))
+    step = with_update_norms(functools.partial(diag_step, schedule=optax.constant_schedule(1e-3),
+                                               loss=Loss()))
     return jax.device_get(jax.jit(step)(state, {"inputs": inputs, "targets": targets}))
 
 
@@ -119,8 +119,8 @@ def test_diag_step_makes_the_same_update_bitwise(norm, kernel):
     statistics instead of the plain forward."""
     _, model, params, inputs, targets = setup(norm, kernel=kernel)
     state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(1e-3))
-    plain, plain_metrics = jax.jit(train_step, static_argnums=2)(
-        state, {"inputs": inputs, "targets": targets}, optax.constant_schedule(1e-3))
+    plain, plain_metrics = jax.jit(train_step, static_argnums=(2, 3))(
+        state, {"inputs": inputs, "targets": targets}, optax.constant_schedule(1e-3), Loss())
     diag, diag_metrics, _ = diag_step_of(norm, kernel)
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(diag), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -131,8 +131,8 @@ def test_the_logged_gradient_norm_is_the_global_norm_of_the_gradients():
     """train/grad_norm against the float64 root of the summed squares of jax.grad's leaves."""
     _, model, params, inputs, targets = setup("post", kernel="einsum")
     state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(1e-3))
-    _, metrics = jax.jit(train_step, static_argnums=2)(
-        state, {"inputs": inputs, "targets": targets}, optax.constant_schedule(1e-3))
+    _, metrics = jax.jit(train_step, static_argnums=(2, 3))(
+        state, {"inputs": inputs, "targets": targets}, optax.constant_schedule(1e-3), Loss())
     grads = jax.grad(lambda p: cross_entropy(model.apply({"params": p}, inputs), targets))(params)
     want = np.sqrt(sum(np.sum(np.asarray(g, np.float64) ** 2) for g in jax.tree.leaves(grads)))
     np.testing.assert_allclose(float(metrics["train/grad_norm"]), want, rtol=1e-5)

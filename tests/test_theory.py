@@ -10,15 +10,17 @@ import optax
 import pytest
 from scipy import integrate, special
 
-from postnorm import theory, theory_mc
-from postnorm.initializers import INIT_SCHEMES, embedding_init
-from postnorm.layers import CausalSelfAttention, RMSNorm, SwiGLU
-from postnorm.model import Decoder, ModelSpec
+from postnorm import theory
+from postnorm.analysis import monte_carlo
+from postnorm.model import PLACEMENTS, Decoder, ModelSpec
+from postnorm.model.initializers import embedding_init
+from postnorm.model.layers import CausalSelfAttention, RMSNorm, SwiGLU
+from postnorm.theory import INIT_SCHEMES
 
 Z = 4.0  # tolerance in Monte Carlo standard errors
 
 
-def assert_within(estimate: theory_mc.MCEstimate, expected: float, z: float = Z,
+def assert_within(estimate: monte_carlo.MCEstimate, expected: float, z: float = Z,
                   rel: float = 0.0) -> None:
     gap = abs(estimate.mean - expected)
     assert gap <= z * estimate.stderr + rel * abs(expected), (estimate, expected)
@@ -34,7 +36,7 @@ def test_prefix_averaging_facts_and_tsim():
     np.testing.assert_allclose(np.trace(p_NxN @ p_NxN.T), theory.harmonic(n))
     x = np.random.default_rng(0).normal(size=(3, n, 5)) + 0.7
     np.testing.assert_allclose(theory.tsim_of_gram(x @ x.transpose(0, 2, 1)), theory.tsim(x))
-    x_ec = theory_mc.ec_input(np.random.default_rng(1), n, 64, 0.3)
+    x_ec = monte_carlo.ec_input(np.random.default_rng(1), n, 64, 0.3)
     np.testing.assert_allclose(theory.tsim(x_ec), 0.3)
     np.testing.assert_allclose(np.sum(x_ec**2, 1), 64.0)
 
@@ -58,11 +60,11 @@ def test_gram_steps_on_an_ec_gram_reproduce_the_one_step_closed_forms(n):
     for t in (1.0 / n, 0.2, 0.9):
         rho = theory.ec_rho(t, n)
         g_NxN = (1 - rho) * np.eye(n) + rho
-        after_ffn = theory.mean_field_ffn_step(g_NxN, amt.xi, kernel, "pre")
+        after_ffn = theory.mean_field_ffn_step(g_NxN, amt.xi, kernel, PLACEMENTS["pre"].gram)
         np.testing.assert_allclose(theory.tsim_of_gram(after_ffn) - t,
                                    theory.delta_ffn(amt.xi, t, n, amt.a), rtol=1e-6, atol=1e-9)
-        for norm in theory.NORM_PLACEMENTS:
-            trace = theory.mean_field_recursion(g_NxN, 1, amt, norm)
+        for norm in PLACEMENTS:
+            trace = theory.mean_field_recursion(g_NxN, 1, amt, PLACEMENTS[norm].gram)
             np.testing.assert_allclose(trace.tsim_in, t)
             np.testing.assert_allclose(trace.energy_attn, amt.s * theory.attn_f2(t, n))
             np.testing.assert_allclose(trace.delta_attn, theory.delta_attn(amt.s, t, n),
@@ -78,8 +80,8 @@ def test_pre_norm_closure_starts_from_the_inputs_energy(r0):
     amt = theory.amounts(64, 192, "torch_default")
     rho = theory.ec_rho(t, n)
     g_NxN = r0 * ((1 - rho) * np.eye(n) + rho)
-    closure = theory.scalar_recursion(t, n, 1, amt, "pre", r0=r0)
-    mean_field = theory.mean_field_recursion(g_NxN, 1, amt, "pre")
+    closure = theory.scalar_recursion(t, n, 1, amt, PLACEMENTS["pre"].gram, r0=r0)
+    mean_field = theory.mean_field_recursion(g_NxN, 1, amt, PLACEMENTS["pre"].gram)
     want = t + theory.delta_attn(amt.s / r0, t, n)
     np.testing.assert_allclose(closure[0, 0], want, rtol=1e-10)
     np.testing.assert_allclose(mean_field.tsim_after[0, 0], want, rtol=1e-9)
@@ -124,7 +126,7 @@ def test_scalar_recursion_is_the_iterated_ec_gram_algebra(norm, init, r0):
         g = numpy_ec_gram(t, n, r) + amt.xi * c * theory.gate_kernel(c, amt.a)
         t, r = numpy_tsim(g), (np.trace(g) / n if norm == "pre" else 1.0)
         want.append([after_attn, t])
-    got = theory.scalar_recursion(0.2, n, layers, amt, norm, r0=r0)
+    got = theory.scalar_recursion(0.2, n, layers, amt, PLACEMENTS[norm].gram, r0=r0)
     np.testing.assert_allclose(got, want, rtol=1e-9)
 
 
@@ -143,7 +145,7 @@ def test_mean_field_layer_on_a_general_gram_against_numpy(norm):
     g1 = numpy_corr(g1) if norm == "post" else g1
     c = numpy_corr(g1)
     g2 = g1 + amt.xi * c * theory.gate_kernel(c, amt.a)
-    trace = theory.mean_field_recursion(g0, 1, amt, norm)
+    trace = theory.mean_field_recursion(g0, 1, amt, PLACEMENTS[norm].gram)
     np.testing.assert_allclose(trace.energy_attn, [energy], rtol=1e-12)
     np.testing.assert_allclose(trace.delta_attn, [delta], rtol=1e-10)
     np.testing.assert_allclose(trace.tsim_after, [[numpy_tsim(g1), numpy_tsim(g2)]], rtol=1e-7)
@@ -187,7 +189,7 @@ def test_domain_edges_and_batched_collapse_distance():
 ])
 def test_delta_attn_against_uniform_attention_mc(n, d, s, t, exact):
     rng = np.random.default_rng(n * d)
-    estimate = theory_mc.mc_delta_attn_uniform(rng, n, d, s, t, pairs=200, exact=exact)
+    estimate = monte_carlo.mc_delta_attn_uniform(rng, n, d, s, t, pairs=200, exact=exact)
     assert_within(estimate, theory.delta_attn(s, t, n))
 
 
@@ -195,7 +197,7 @@ def test_delta_attn_mc_estimates_the_ratio_of_expectations_at_small_n_and_d():
     """n = 4, d = 8, s = 4: a mean of per-draw ratios (Jensen gap, about -17%) or tsim with
     n - 1 (+33%) would be many standard errors off; the ratio of means is unbiased."""
     n, d, s, t = 4, 8, 4.0, 0.5
-    estimate = theory_mc.mc_delta_attn_uniform(np.random.default_rng(0), n, d, s, t, pairs=400)
+    estimate = monte_carlo.mc_delta_attn_uniform(np.random.default_rng(0), n, d, s, t, pairs=400)
     assert_within(estimate, theory.delta_attn(s, t, n))
 
 
@@ -203,7 +205,7 @@ def test_mc_standard_error_is_calibrated():
     """The spread of 40 independent estimates matches their stated standard error (an inflated
     one would loosen every Monte Carlo test above)."""
     rng = np.random.default_rng(3)
-    runs = [theory_mc.mc_delta_attn_uniform(rng, 8, 16, 1.0, 0.3, pairs=25) for _ in range(40)]
+    runs = [monte_carlo.mc_delta_attn_uniform(rng, 8, 16, 1.0, 0.3, pairs=25) for _ in range(40)]
     spread = np.std([r.mean for r in runs], ddof=1)
     assert 0.6 < spread / np.median([r.stderr for r in runs]) < 1.6
 
@@ -212,7 +214,7 @@ def test_mc_standard_error_is_calibrated():
 def test_delta_attn_against_softmax_attention_mc(t):
     """Real softmax attention at torch_default init: uniform up to a few percent (A1)."""
     n, d = 32, 128
-    estimate = theory_mc.mc_delta_attn_softmax(3, n, d, t, 4, "torch_default", pairs=48)
+    estimate = monte_carlo.mc_delta_attn_softmax(3, n, d, t, 4, "torch_default", pairs=48)
     assert_within(estimate, theory.delta_attn(theory.amounts(d, d, "torch_default").s, t, n),
                   rel=0.05)
 
@@ -234,7 +236,7 @@ def test_delta_attn_sign_and_fixed_point():
 ])
 def test_delta_ffn_against_mc(n, d, d_ff, t, init):
     amt = theory.amounts(d, d_ff, init)
-    estimate = theory_mc.mc_delta_ffn(n + d, n, d, d_ff, t, init, pairs=64)
+    estimate = monte_carlo.mc_delta_ffn(n + d, n, d, d_ff, t, init, pairs=64)
     assert_within(estimate, theory.delta_ffn(amt.xi, t, n, amt.a))
 
 
@@ -251,7 +253,7 @@ def test_delta_ffn_sign():
 def test_gate_kernel_against_mc_and_odd_part(a):
     rng = np.random.default_rng(7)
     for rho in (-0.8, 0.0, 0.5, 0.99):
-        assert_within(theory_mc.mc_gate_kernel(rng, rho, a, 200_000), theory.gate_kernel(rho, a))
+        assert_within(monte_carlo.mc_gate_kernel(rng, rho, a, 200_000), theory.gate_kernel(rho, a))
     rho = np.linspace(-1, 1, 41)
     np.testing.assert_allclose(theory.gate_kernel(rho, a) - theory.gate_kernel(-rho, a),
                                a**2 * rho / 2, atol=1e-12)
@@ -299,7 +301,7 @@ def test_amounts_against_the_models_initialisers(init):
             params = nn.unbox(module.init(key, x_1xLxD))
             return jnp.sum(module.apply(params, x_1xLxD) ** 2) / jnp.sum(x_1xLxD**2)
         ratios = np.asarray(jax.vmap(ratio)(keys), np.float64)
-        assert_within(theory_mc.MCEstimate(ratios.mean(), ratios.std() / np.sqrt(draws)),
+        assert_within(monte_carlo.MCEstimate(ratios.mean(), ratios.std() / np.sqrt(draws)),
                       expected)
 
 
@@ -316,7 +318,7 @@ def test_the_v_only_reading_of_s_is_the_value_projections_energy_gain(init):
         w_v_DxD = nn.unbox(attention.init(key, x_1x4xD))["params"]["w_v"]
         return jnp.sum((x_1x4xD[0, 0] @ w_v_DxD) ** 2) / jnp.sum(x_1x4xD[0, 0] ** 2)
     ratios = np.asarray(jax.vmap(ratio)(jax.random.split(jax.random.key(2), draws)), np.float64)
-    assert_within(theory_mc.MCEstimate(ratios.mean(), ratios.std() / np.sqrt(draws)), s)
+    assert_within(monte_carlo.MCEstimate(ratios.mean(), ratios.std() / np.sqrt(draws)), s)
 
 
 # Thm 3.6 ---------------------------------------------------------------------------------------
@@ -331,7 +333,7 @@ def test_contraction_is_the_largest_singular_value_of_the_rmsnorm_jacobian():
         sigma_max = np.linalg.svd(np.asarray(jac_DxD, np.float64), compute_uv=False)[0]
         c = theory.rmsnorm_contraction(y, alpha, eps)
         np.testing.assert_allclose(sigma_max, c, rtol=1e-5)
-        np.testing.assert_allclose(theory_mc.vjp_contraction(rng, y, alpha, eps), c, rtol=1e-5)
+        np.testing.assert_allclose(monte_carlo.vjp_contraction(rng, y, alpha, eps), c, rtol=1e-5)
         assert (c < 1) == (np.mean(y.astype(np.float64) ** 2) + eps > alpha**2)
 
 
@@ -393,12 +395,12 @@ def test_collapsed_model_predicting_frequencies_is_stationary():
                      positions="none", init="xavier")
     model = Decoder(spec)
     key_layers, key_embed = jax.random.split(jax.random.key(0))
-    params = {**theory_mc.init_stack_params(spec, key_layers),
+    params = {**monte_carlo.init_stack_params(spec, key_layers),
               "embedding": embedding_init(spec.init)(key_embed, (vocab, d), jnp.float32)}
     rng = np.random.default_rng(6)
     targets_1xN = jnp.asarray(rng.permutation(np.arange(n) % vocab)[None])  # covers the vocab
     collapsed_1xN = jnp.full((1, n), 3, jnp.int32)
-    hidden = theory_mc.LayerStack(spec).apply(
+    hidden = monte_carlo.LayerStack(spec).apply(
         {"params": {"layers": params["layers"]}}, params["embedding"][collapsed_1xN], None)[0]
     hidden_NxD = np.asarray(hidden[0], np.float64)
     assert theory.tsim(hidden_NxD) > 1 - 1e-6
@@ -428,8 +430,8 @@ def test_attention_modes_split_softmax_attention_into_uniform_and_centered():
     params = nn.unbox(module.init(jax.random.key(0), jnp.zeros((1, n, d))))
     x_1xNxD = jax.random.normal(jax.random.key(1), (1, n, d))
     out = {}
-    for mode in theory_mc.ATTENTION_MODES:
-        with theory_mc.attention_mode(mode):
+    for mode in monte_carlo.ATTENTION_MODES:
+        with monte_carlo.attention_mode(mode):
             out[mode] = np.asarray(module.apply(params, x_1xNxD), np.float64)
     w = {k: np.asarray(v, np.float64) for k, v in params["params"].items()}
     uniform = numpy_prefix_matrix(n) @ np.asarray(x_1xNxD[0], np.float64) @ w["w_v"] @ w["w_o"]
@@ -449,14 +451,15 @@ def test_mean_field_tracks_a_simulated_stack(norm, init, mode, n_layers):
     spec = ModelSpec(vocab_size=2, max_len=n, n_layers=n_layers, d_model=d, n_heads=4,
                      d_ff=3 * d, norm=norm, positions="none", init=init)
     amt = theory.amounts(d, 3 * d, init)
-    run = theory_mc.stack_statistics(spec, mode)
+    run = monte_carlo.stack_statistics(spec, mode)
     measured, predicted = [], []
     for seed in range(seeds):
         key_params, key_x = jax.random.split(jax.random.key(seed))
         x_1xNxD = jax.random.normal(key_x, (1, n, d))
-        stats = run(theory_mc.init_stack_params(spec, key_params), x_1xNxD)
+        stats = run(monte_carlo.init_stack_params(spec, key_params), x_1xNxD)
         after_ffn = np.append(np.asarray(stats["tsim_attn"][1:]), float(stats["tsim_final"]))
         measured.append(np.stack([np.asarray(stats["tsim_ffn"]), after_ffn], 1))
         x = np.asarray(x_1xNxD[0], np.float64)
-        predicted.append(theory.mean_field_recursion(x @ x.T / d, n_layers, amt, norm).tsim_after)
+        gram = PLACEMENTS[norm].gram
+        predicted.append(theory.mean_field_recursion(x @ x.T / d, n_layers, amt, gram).tsim_after)
     np.testing.assert_allclose(np.mean(measured, 0), np.mean(predicted, 0), rtol=0.15)

@@ -10,7 +10,7 @@ import pytest
 from flax.linen import meta
 
 from postnorm.model import Decoder, ModelSpec
-from postnorm.optim import weight_decay_mask
+from postnorm.train.optim import weight_decay_mask
 
 pytest.importorskip("torch")
 

@@ -11,18 +11,21 @@ import numpy as np
 import pytest
 
 from configs.default import get_config
-from postnorm import train
-from postnorm.checkpoint import Checkpointer, CheckpointError, CheckpointReader
+from postnorm.config.schema import ConfigError
 from postnorm.data import DataError, load_data
 from postnorm.data.lfreq import frequency_floor
-from postnorm.metrics import MetricWriter
 from postnorm.model import ModelSpec
-from postnorm.optim import make_optimizer
-from postnorm.run_config import write_run_config
-from postnorm.sharding import batch_sharding, make_mesh
-from postnorm.step_builder import compile_steps
-from postnorm.train import train_and_evaluate
-from postnorm.validation import ConfigError, check_config
+from postnorm.runtime.mesh import batch_sharding, make_mesh
+from postnorm.train import experiment, loop
+from postnorm.train.loop import evaluate_checkpoint, train_and_evaluate
+from postnorm.train.losses import Loss
+from postnorm.train.optim import make_optimizer
+from postnorm.train.programs import compile_steps
+from postnorm.train.reporter import Reporter
+from postnorm.train.validate import check_config
+from postnorm.workdir.checkpoint import Checkpointer, CheckpointError, CheckpointReader
+from postnorm.workdir.config_record import write_run_config
+from postnorm.workdir.metrics import MetricWriter
 from tests.reliability_helpers import read_losses, read_records, tiny_config, write_corpus
 
 
@@ -92,7 +95,7 @@ def test_sharded_step_matches_single_device():
                                        ("sharded", (2, 2, 2), None)):
         config.mesh.data, config.mesh.fsdp, config.mesh.tensor = mesh_fields
         mesh = make_mesh(config.mesh, devices)
-        steps = compile_steps(spec, tx, schedule, mesh)
+        steps = compile_steps(spec, tx, schedule, mesh, Loss())
         state = steps.init(0)
         batch = {k: jax.device_put(v, batch_sharding(mesh)) for k, v in local.items()}
         history = []
@@ -127,8 +130,8 @@ def test_invalid_fields_name_the_problem(field, value, message):
         check_config(config, device_count=8)
 
 
-@pytest.mark.parametrize(("entry", "opened"), [(train.train_and_evaluate, Checkpointer),
-                                               (train.evaluate_checkpoint, CheckpointReader)])
+@pytest.mark.parametrize(("entry", "opened"), [(loop.train_and_evaluate, Checkpointer),
+                                               (loop.evaluate_checkpoint, CheckpointReader)])
 def test_a_failed_build_still_closes_the_checkpointer(entry, opened, corpus, tmp_path,
                                                      monkeypatch):
     """When building the experiment fails, the checkpoint manager (and orbax's threads) is
@@ -141,7 +144,7 @@ def test_a_failed_build_still_closes_the_checkpointer(entry, opened, corpus, tmp
 
     monkeypatch.setattr(opened, "close", recording_close)
     config = tiny_config(corpus, tmp_path / "data", train__eval_batches=10_000)
-    if entry is train.evaluate_checkpoint:  # it builds only for a run with a checkpoint
+    if entry is loop.evaluate_checkpoint:  # it builds only for a run with a checkpoint
         (tmp_path / "run" / "checkpoints" / "1").mkdir(parents=True)
         write_run_config(str(tmp_path / "run"), config)
     with pytest.raises(DataError, match=r"lower the eval batch count or size "
@@ -155,7 +158,7 @@ def test_evaluating_a_workdir_without_checkpoints_is_a_checkpoint_error(corpus, 
     and nothing is created."""
     config = tiny_config(corpus, tmp_path / "tfds")
     with pytest.raises(CheckpointError, match=r"no checkpoint in .*/run/checkpoints: train first"):
-        train.evaluate_checkpoint(config, str(tmp_path / "run"))
+        evaluate_checkpoint(config, str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
 
 
@@ -172,7 +175,7 @@ def test_a_failed_start_of_the_loop_closes_the_metric_writer(corpus, tmp_path, m
         raise RuntimeError(f"no watch at step {start_step}")
 
     monkeypatch.setattr(MetricWriter, "close", recording_close)
-    monkeypatch.setattr(train, "PreemptionWatch", failing_watch)
+    monkeypatch.setattr(loop, "PreemptionWatch", failing_watch)
     with pytest.raises(RuntimeError, match="no watch at step 0"):
         train_and_evaluate(tiny_config(corpus, tmp_path / "tfds"), str(tmp_path / "run"))
     assert closed == ["MetricWriter"]
@@ -194,7 +197,7 @@ def test_mesh_axis_sizes_and_shard_shapes():
     cfg.model.d_model, cfg.model.n_heads, cfg.model.d_ff = 32, 4, 64
     spec = ModelSpec.from_config(cfg.model, vocab_size=64, max_len=16)
     tx, schedule = make_optimizer(cfg.opt, 10)
-    params = compile_steps(spec, tx, schedule, mesh).abstract_state.params
+    params = compile_steps(spec, tx, schedule, mesh, Loss()).abstract_state.params
     layers = params["layers"]
     # layers axis (2) replicated; embed (32) / fsdp 2 = 16; mlp (64) / tensor 4 = 16.
     assert layers["ffn"]["w_up"].sharding.shard_shape((2, 32, 64)) == (2, 16, 16)
@@ -214,13 +217,13 @@ def numpy_cross_entropy(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
 def test_eval_loss_is_the_token_mean_cross_entropy_of_every_eval_batch(tmp_path):
     config = tiny_config(write_corpus(tmp_path / "corpus"), tmp_path / "tfds",
                          train__eval_batches=3)
-    exp = train.build_experiment(config)
+    exp = experiment.build_experiment(config)
     assert len(exp.eval_batches) == 3
     state = exp.steps.init(config.seed)
-    it = train.train_iterator(exp)
+    it = experiment.train_iterator(exp)
     sharding = batch_sharding(exp.mesh)
     for _ in range(5):  # some training, so the batches' losses differ
-        state, _ = exp.steps.train(state, train.global_batch(next(it), sharding))
+        state, _ = exp.steps.train(state, experiment.global_batch(next(it), sharding))
     per_token = [
         numpy_cross_entropy(np.asarray(state.apply_fn({"params": state.params}, b["inputs"])),
                              b["targets"])
@@ -230,14 +233,14 @@ def test_eval_loss_is_the_token_mean_cross_entropy_of_every_eval_batch(tmp_path)
     assert max(means) - min(means) > 1e-3, means  # the batches are told apart
     # Equal-size batches: the mean of batch means is the token-weighted mean.
     expected = float(np.concatenate([t.ravel() for t in per_token]).mean())
-    assert train.evaluate(exp, state) == pytest.approx(expected, rel=2e-6)
+    assert experiment.evaluate(exp, state) == pytest.approx(expected, rel=2e-6)
 
 
 def test_time_left_out_of_the_step_rate_starts_when_the_dispatched_steps_finish(tmp_path):
     """A compile, an eval or a save is left out of ``train/tokens_per_s``. Steps dispatched
     before it may still be running (dispatch is asynchronous); their time must stay in the
     rate, not vanish into the left-out block that overlaps them."""
-    reporter = train._Reporter(str(tmp_path), tokens_per_step=1, total_steps=10, lfreq=1.0)
+    reporter = Reporter(str(tmp_path), tokens_per_step=1, total_steps=10, lfreq=1.0)
     reporter.restart(0, 0)
     steps = jax.jit(lambda x: functools.reduce(lambda a, _: jnp.tanh(a @ a), range(8), x))
     x = jnp.full((1536, 1536), 1 / 1536, jnp.float32)

@@ -8,16 +8,18 @@ default config is covered by a case here or there.
 import ml_collections
 import pytest
 
-from configs.default import base_config, get_config
+from configs.default import get_config
+from postnorm.config import base_config
+from postnorm.config.schema import ConfigError
 from postnorm.data import DataError
-from postnorm.train import train_and_evaluate
-from postnorm.validation import ConfigError, check_config, check_vocab_layout
+from postnorm.train.loop import train_and_evaluate
+from postnorm.train.validate import check_config, check_vocab_layout
 from tests.reliability_helpers import tiny_config, write_corpus
 
 POSITIVE_INT = "must be an integer >= 1"
 UNIT = r"must be in \[0, 1\)"
 
-# (field, bad value, expected message); every rule of postnorm.validation.
+# (field, bad value, expected message); every rule of postnorm.train.validate.
 CASES = [
     ("model.n_layers", 0, POSITIVE_INT),
     ("model.n_layers", "4", POSITIVE_INT),
@@ -28,7 +30,8 @@ CASES = [
     ("model.positions", "alibi", r"must be one of \['rope', 'learned', 'none'\]"),
     ("model.init", "he", "model.init='he' is invalid: must be one of"),
     ("model.dtype", "float16", r"must be one of \['float32', 'bfloat16'\]"),
-    ("model.attention", "flash", r"must be one of \['einsum', 'blocked', 'xla', 'cudnn', 'cpu'\]"),
+    ("model.attention", "flash",
+     r"must be one of \['auto', 'einsum', 'blocked', 'xla', 'cudnn', 'cpu'\]"),
     ("model.attention_block", 0, POSITIVE_INT),
     ("model.scan_unroll", 0, POSITIVE_INT),
     ("model.attention", "cudnn", "needs model.dtype='bfloat16'"),

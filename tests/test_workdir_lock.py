@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from postnorm.run_config import WorkdirError
-from postnorm.workdir_lock import LOCK_NAME, WorkdirLock
+from postnorm.workdir.layout import WorkdirError
+from postnorm.workdir.lock import WorkdirLock
 from tests.reliability_helpers import REPO
 
 HOLD = """
 import sys, time
-from postnorm.workdir_lock import WorkdirLock
+from postnorm.workdir.lock import WorkdirLock
 WorkdirLock(sys.argv[1]).acquire()
 print("held", flush=True)
 time.sleep(120)
@@ -25,9 +25,9 @@ def test_a_second_holder_is_refused_until_the_first_releases(tmp_path):
     workdir = tmp_path / "run"
     first, second = WorkdirLock(str(workdir)), WorkdirLock(str(workdir))
     first.acquire()  # creates the workdir
-    assert (workdir / LOCK_NAME).is_file()
+    assert (workdir / ".train.lock").is_file()
     with pytest.raises(WorkdirError, match=rf"{workdir} is in use by another training run "
-                       rf"\(process {os.getpid()} on .*, started .*; lock {workdir / LOCK_NAME}\)"):
+                       rf"\(process {os.getpid()} on .*, started .*; lock {workdir}/.train.lock\)"):
         second.acquire()
     first.release()
     second.acquire()

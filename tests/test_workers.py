@@ -1,4 +1,4 @@
-"""Pinned worker processes (postnorm.workers): CPU groups, per-process affinity, and stopping
+"""Pinned worker processes (postnorm.sweep.workers): CPU groups, per-process affinity, and stopping
 on request (a run's own preemption, SIGTERM to the parent, Ctrl-C to the process group)."""
 
 import os
@@ -12,21 +12,22 @@ from pathlib import Path
 import pytest
 from absl import logging
 
-from postnorm.preemption import Preempted, PreemptionWatch, Stopped
-from postnorm.workers import cpu_groups, run_pinned
+from postnorm.errors import Stopped
+from postnorm.runtime.preemption import Preempted, PreemptionWatch
+from postnorm.sweep.workers import cpu_groups, run_pinned
 from tests.reliability_helpers import REPO
 
 PARENT = """
 import sys
 from absl import app
-from postnorm.user_errors import exit_2_on_user_error
-from postnorm.workers import run_pinned
+from postnorm.errors import exit_on_error
+from postnorm.sweep.workers import run_pinned
 from tests.test_workers import watched_job
 
 def main(argv):
     print(run_pinned(watched_job, [(i, argv[1]) for i in range(4)], 2))
 
-app.run(exit_2_on_user_error(main))
+app.run(exit_on_error(main))
 """
 
 
@@ -132,8 +133,8 @@ def test_a_signal_stops_the_running_jobs_and_starts_no_more(tmp_path, signum, ta
 EARLY = """
 import os, signal, sys, threading, time
 from absl import app
-from postnorm.user_errors import exit_2_on_user_error
-from postnorm.workers import run_pinned
+from postnorm.errors import exit_on_error
+from postnorm.sweep.workers import run_pinned
 from tests.test_workers import watched_job
 
 def main(argv):
@@ -141,7 +142,7 @@ def main(argv):
     print(run_pinned(watched_job, [(i, argv[1]) for i in range(4)], 2))
 
 if __name__ == "__main__":
-    app.run(exit_2_on_user_error(main))
+    app.run(exit_on_error(main))
 """
 
 
@@ -170,7 +171,7 @@ def logging_job(index: int) -> int:
 
 LOGGING_PARENT = """
 from absl import app
-from postnorm.workers import run_pinned
+from postnorm.sweep.workers import run_pinned
 from tests.test_workers import logging_job
 
 app.run(lambda argv: print(run_pinned(logging_job, [(0,), (1,)], 2)))

@@ -8,13 +8,15 @@ import numpy as np
 import pytest
 
 from configs.default import get_config
-from postnorm import xla_options
+from postnorm.config.schema import ConfigError
 from postnorm.model import ModelSpec
-from postnorm.optim import make_optimizer
-from postnorm.sharding import make_mesh
-from postnorm.step_builder import compile_steps
-from postnorm.validation import ConfigError, check_runtime
-from postnorm.xla_options import XlaOptionsError, compiler_options, parse_xla_options
+from postnorm.runtime import xla_options
+from postnorm.runtime.mesh import make_mesh
+from postnorm.runtime.xla_options import XlaOptionsError, compiler_options, parse_xla_options
+from postnorm.train.losses import Loss
+from postnorm.train.optim import make_optimizer
+from postnorm.train.programs import compile_steps
+from postnorm.train.validate import check_runtime
 from tests.reliability_helpers import REPO, config_flag, subprocess_env, write_corpus
 
 
@@ -78,7 +80,8 @@ def _train(options, steps: int = 3):
                         "data.batch_size=8")
     spec = ModelSpec.from_config(config.model, vocab_size=64, max_len=config.data.seq_len)
     tx, schedule = make_optimizer(config.opt, config.train.steps)
-    compiled = compile_steps(spec, tx, schedule, make_mesh(config.mesh), compiler_options=options)
+    compiled = compile_steps(spec, tx, schedule, make_mesh(config.mesh), Loss(),
+                             xla_options=options)
     tokens = np.random.default_rng(0).integers(0, 64, (8, 33), np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     state, losses = compiled.init(0), []

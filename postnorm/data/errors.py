@@ -1,7 +1,9 @@
 """The exception types of the data package."""
 
+from postnorm.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError, ValueError):
     """A data configuration or file problem; the message names the culprit and the fix."""
 
 

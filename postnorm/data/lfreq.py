@@ -20,18 +20,12 @@ from pathlib import Path
 import numpy as np
 from absl import logging
 
-from postnorm.data.errors import DataError
-from postnorm.data.files import write_json_atomic
 from postnorm.data.sources import PreparedSource
 from postnorm.data.tokenizers import Tokenizer
+from postnorm.files import FileWriteError, write_json_atomic
+from postnorm.theory import unigram_entropy
 
 _ENCODE_CHUNK_DOCS = 256
-
-
-def unigram_entropy(counts: np.ndarray) -> float:
-    """-sum p log p in nats of the distribution proportional to `counts`."""
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * np.log(p)).sum())
 
 
 def target_token_counts(texts: Iterable[str], tokenizer: Tokenizer) -> np.ndarray:
@@ -115,7 +109,7 @@ def get_unigram(source: PreparedSource, tokenizer: Tokenizer, sample_docs: int =
                 "counts": counts.tolist(),
             },
         )
-    except DataError as err:  # a read-only dataset folder: the cache only saves time
+    except FileWriteError as err:  # a read-only dataset folder: the cache only saves time
         logging.warning("L_freq could not be cached at %s (%s): it is computed again at the "
                         "next start", path, err)
     logging.info(

@@ -14,8 +14,8 @@ from absl import logging
 from postnorm.data import pipeline
 from postnorm.data.config import check_data_config
 from postnorm.data.errors import ShortSplitError
-from postnorm.data.files import preparing
 from postnorm.data.lfreq import get_unigram
+from postnorm.data.prepare_lock import preparing
 from postnorm.data.sources import prepare_source
 from postnorm.data.tokenizer_setup import get_tokenizer
 from postnorm.data.tokenizers import Tokenizer

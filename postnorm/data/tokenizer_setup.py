@@ -8,7 +8,6 @@ from absl import logging
 
 from postnorm.data import spm_training
 from postnorm.data.errors import DataError
-from postnorm.data.files import write_bytes_atomic
 from postnorm.data.sources import PreparedSource
 from postnorm.data.tokenizers import (
     ByteTokenizer,
@@ -16,6 +15,7 @@ from postnorm.data.tokenizers import (
     read_sentencepiece,
     read_user_sentencepiece,
 )
+from postnorm.files import FileWriteError, write_bytes_atomic
 
 
 def trained_model_path(source: PreparedSource, vocab_size: int) -> Path:
@@ -29,7 +29,7 @@ def _train(source: PreparedSource, vocab_size: int, path: Path) -> None:
     model_proto = spm_training.train_sentencepiece(sentences, vocab_size)
     try:
         write_bytes_atomic(path, model_proto)
-    except DataError as err:
+    except FileWriteError as err:
         raise DataError(f"the trained tokenizer cannot be stored at {path} "
                         f"({err.__cause__}): make that folder writable, or give a "
                         "SentencePiece model as data.tokenizer_path") from err

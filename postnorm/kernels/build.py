@@ -1,11 +1,4 @@
-"""Compile the C++ kernels once per source, compiler, jaxlib and CPU, and register them with XLA.
-
-The shared library is built with ``-O3 -march=native`` into ``postnorm/kernels/_build/``, named
-by a hash of everything that goes into it, so a changed source, compiler, jaxlib or CPU builds
-a new one and an unchanged one is loaded as it is. It is compiled to a temporary name and
-renamed, under a lock on ``_build/.lock``, so processes starting at once compile it once and
-never load a half-written file.
-"""
+"""Compile the C++ kernels once per source, compiler, jaxlib and CPU, and register them with XLA."""
 
 import ctypes
 import fcntl
@@ -20,6 +13,8 @@ from pathlib import Path
 import jax
 import jaxlib
 
+from postnorm.errors import UserError
+
 KERNEL_DIR = Path(__file__).resolve().parent
 BUILD_DIR = KERNEL_DIR / "_build"
 ATTENTION_SOURCE = KERNEL_DIR / "causal_attention_cpu.cc"
@@ -32,7 +27,7 @@ FFI_TARGETS = {"postnorm_causal_attention_fwd": "PostnormCausalAttentionForward"
 _registered: set[str] = set()
 
 
-class KernelBuildError(RuntimeError):
+class KernelBuildError(UserError, RuntimeError):
     """The C++ kernel could not be compiled or loaded; the message says what would fix it."""
 
 

@@ -121,7 +121,7 @@ def cpu_causal_attention(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: 
 def cpu_causal_attention_with_stats(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array,
                                     v_BxLxHxK: jax.Array
                                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The output, and the per-row statistics of ``postnorm.diagnostics.attention_row_stats``
+    """The output, and the per-row statistics of ``postnorm.diagnostics.stats.attention_row_stats``
     ([B, H, L] each), computed by the kernel from its probabilities. The statistics carry no
     gradient."""
     out_BxLxHxK, entropy_BxHxL, tv_BxHxL = _padded_to_a_built_head_dim(

@@ -1,0 +1,1 @@
+"""Pure in-step statistics of the residual stream: forward statistics and backward taps."""

@@ -1,0 +1,176 @@
+"""Transformer sublayers: RMSNorm, rotary positions, causal attention and the SwiGLU FFN."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from postnorm.diagnostics.stats import attention_row_stats, mean_attention_stats
+from postnorm.kernels.causal_attention import cpu_causal_attention, cpu_causal_attention_with_stats
+from postnorm.model.initializers import kernel_init
+
+ATTENTION_KERNELS = ("einsum", "blocked", "xla", "cudnn", "cpu")
+
+
+def token_matmul(x_BxLxD: jax.Array, w_DxF: jax.Array) -> jax.Array:
+    """``x @ w`` with the token axes flattened to one: ``[B, L, D] @ [D, F] -> [B, L, F]``.
+
+    The same product as ``x @ w``, but its weight gradient becomes one ``[D, B*L] @ [B*L, F]``
+    matmul. Contracting two token axes instead makes XLA's CPU backend transpose the output
+    gradient and fall back to a kernel 3x slower (``docs/PERFORMANCE.md``).
+    """
+    *lead, d = x_BxLxD.shape
+    return (x_BxLxD.reshape(-1, d) @ w_DxF).reshape(*lead, w_DxF.shape[-1])
+
+
+def dense_kernel(module: nn.Module, name: str, shape: tuple[int, int], axes: tuple[str, str],
+                 init: str) -> jax.Array:
+    """A ``[fan_in, fan_out]`` float32 kernel with logical partitioning."""
+    return module.param(name, nn.with_logical_partitioning(kernel_init(init), axes), shape,
+                        jnp.float32)
+
+
+class RMSNorm(nn.Module):
+    """z = scale * y / sqrt(mean(y^2) + eps), statistics in float32; scale starts at 1."""
+
+    eps: float
+
+    @nn.compact
+    def __call__(self, y_BxLxD: jax.Array) -> jax.Array:
+        d = y_BxLxD.shape[-1]
+        scale_D = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                             (d,), jnp.float32)
+        y32 = y_BxLxD.astype(jnp.float32)
+        inv_rms = jax.lax.rsqrt(jnp.mean(y32 * y32, axis=-1, keepdims=True) + self.eps)
+        return (y32 * inv_rms * scale_D).astype(y_BxLxD.dtype)
+
+
+def rotary_embedding(x_BxLxHxK: jax.Array, base: float) -> jax.Array:
+    """Rotate pairs (i, i + K/2) of each head vector by position-dependent angles (RoPE)."""
+    length, head_dim = x_BxLxHxK.shape[1], x_BxLxHxK.shape[3]
+    half = head_dim // 2
+    inv_freq_K2 = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_LxK2 = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq_K2[None, :]
+    sin = jnp.sin(angle_LxK2)[None, :, None, :]
+    cos = jnp.cos(angle_LxK2)[None, :, None, :]
+    x1, x2 = x_BxLxHxK[..., :half].astype(jnp.float32), x_BxLxHxK[..., half:].astype(jnp.float32)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x_BxLxHxK.dtype)
+
+
+def causal_attention_weights(q_BxLxHxK: jax.Array, k_BxMxHxK: jax.Array,
+                             query_offset: int = 0) -> jax.Array:
+    """Softmax(q k^T / sqrt(K)) with a causal mask, in float32: [B, H, L, M].
+
+    Query row l sits at position ``query_offset + l``, key column m at position m.
+    """
+    head_dim = q_BxLxHxK.shape[-1]
+    logits_BxHxLxM = jnp.matmul(q_BxLxHxK.transpose(0, 2, 1, 3), k_BxMxHxK.transpose(0, 2, 3, 1),
+                                preferred_element_type=jnp.float32) / jnp.sqrt(head_dim)
+    queries, keys = q_BxLxHxK.shape[1], k_BxMxHxK.shape[1]
+    causal_LxM = jnp.tril(jnp.ones((queries, keys), dtype=bool), k=query_offset)
+    logits_BxHxLxM = jnp.where(causal_LxM, logits_BxHxLxM, jnp.finfo(jnp.float32).min)
+    return jax.nn.softmax(logits_BxHxLxM, axis=-1)
+
+
+def attend(probs_BxHxLxM: jax.Array, v_BxMxHxK: jax.Array) -> jax.Array:
+    """Attention output ``probs @ v`` per head: [B, L, H, K]."""
+    out_BxHxLxK = jnp.matmul(probs_BxHxLxM.astype(v_BxMxHxK.dtype), v_BxMxHxK.transpose(0, 2, 1, 3))
+    return out_BxHxLxK.transpose(0, 2, 1, 3)
+
+
+def blocked_causal_attention(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxHxK: jax.Array,
+                             block: int, collect_stats: bool = False
+                             ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Causal attention by blocks of ``block`` query rows; block i reads keys [0, end_i) only.
+
+    With ``block`` >= L this is the einsum kernel: one [B, H, L, L] probability matrix.
+    Returns the output [B, L, H, K] and, with ``collect_stats``, the attention-row statistics
+    (``attention_row_stats``, [B, H, L] each; otherwise an empty dict).
+    """
+    length = q_BxLxHxK.shape[1]
+    outs, row_stats = [], []
+    for start in range(0, length, block):
+        end = min(start + block, length)
+        probs_BxHxLxM = causal_attention_weights(q_BxLxHxK[:, start:end], k_BxLxHxK[:, :end],
+                                                 query_offset=start)
+        outs.append(attend(probs_BxHxLxM, v_BxLxHxK[:, :end]))
+        if collect_stats:
+            row_stats.append(attention_row_stats(probs_BxHxLxM, query_offset=start))
+    out_BxLxHxK = jnp.concatenate(outs, axis=1)
+    if not collect_stats:
+        return out_BxLxHxK, {}
+    return out_BxLxHxK, jax.tree.map(lambda *rows: jnp.concatenate(rows, axis=-1), *row_stats)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal softmax attention with separate W_Q, W_K, W_V, W_O and no biases."""
+
+    n_heads: int
+    init_scheme: str
+    positions: str
+    rope_base: float
+    dtype: jnp.dtype
+    kernel: str = "einsum"
+    block: int = 128
+    collect_stats: bool = False
+
+    @nn.compact
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array | tuple[jax.Array, dict]:
+        """The attention output; with ``collect_stats`` also the attention-row statistics."""
+        batch, length, d = x_BxLxD.shape
+        head_dim = d // self.n_heads
+        x = x_BxLxD.astype(self.dtype)
+
+        def project(name: str) -> jax.Array:
+            w_DxD = dense_kernel(self, name, (d, d), ("embed", "heads"), self.init_scheme)
+            return token_matmul(x, w_DxD.astype(self.dtype)).reshape(batch, length, self.n_heads,
+                                                                      head_dim)
+
+        q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = project("w_q"), project("w_k"), project("w_v")
+        if self.positions == "rope":
+            q_BxLxHxK = rotary_embedding(q_BxLxHxK, self.rope_base)
+            k_BxLxHxK = rotary_embedding(k_BxLxHxK, self.rope_base)
+        row_stats = {}
+        with jax.named_scope("attn_core"):  # scores, softmax and P·V; named for profiles
+            if self.kernel == "cpu" and self.collect_stats:
+                out_BxLxHxK, row_stats = cpu_causal_attention_with_stats(q_BxLxHxK, k_BxLxHxK,
+                                                                         v_BxLxHxK)
+            elif self.kernel == "cpu":
+                out_BxLxHxK = cpu_causal_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK)
+            elif self.kernel in ("einsum", "blocked") or self.collect_stats:
+                # einsum (and the fallback of xla / cudnn for statistics) is one block of all rows
+                block = self.block if self.kernel == "blocked" else length
+                out_BxLxHxK, row_stats = blocked_causal_attention(
+                    q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, block, self.collect_stats)
+            else:
+                out_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK,
+                                                           is_causal=True,
+                                                           implementation=self.kernel)
+        w_o_DxD = dense_kernel(self, "w_o", (d, d), ("heads", "embed"), self.init_scheme)
+        out_BxLxD = token_matmul(out_BxLxHxK.reshape(batch, length, d), w_o_DxD.astype(self.dtype))
+        if self.collect_stats:
+            return out_BxLxD, mean_attention_stats(row_stats)
+        return out_BxLxD
+
+
+class SwiGLU(nn.Module):
+    """FFN(x) = (SiLU(x W_gate) * (x W_up)) W_down; W_gate, W_up: d x d_ff, W_down: d_ff x d.
+
+    W_gate and W_up stay separate parameters but are applied as one [d, 2 d_ff] matmul.
+    """
+
+    d_ff: int
+    init_scheme: str
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        d = x_BxLxD.shape[-1]
+        x = x_BxLxD.astype(self.dtype)
+        w_gate = dense_kernel(self, "w_gate", (d, self.d_ff), ("embed", "mlp"), self.init_scheme)
+        w_up = dense_kernel(self, "w_up", (d, self.d_ff), ("embed", "mlp"), self.init_scheme)
+        w_down = dense_kernel(self, "w_down", (self.d_ff, d), ("mlp", "embed"), self.init_scheme)
+        w_gate_up = jnp.concatenate([w_gate, w_up], axis=1).astype(self.dtype)
+        gate_BxLxF, up_BxLxF = jnp.split(token_matmul(x, w_gate_up), 2, axis=-1)
+        hidden_BxLxF = nn.silu(gate_BxLxF) * up_BxLxF
+        return token_matmul(hidden_BxLxF, w_down.astype(self.dtype))

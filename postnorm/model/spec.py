@@ -1,0 +1,51 @@
+"""ModelSpec: the frozen description of the network, from ``config.model`` and the data."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from postnorm.model.attention_choice import AUTO, choose_attention
+
+POSITION_SCHEMES = ("rope", "learned", "none")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Everything the network needs; built from ``config.model`` plus data-derived sizes.
+
+    ``attention`` is a kernel name, never ``auto``: ``from_config`` resolves that with
+    ``postnorm.model.attention_choice`` (the trainer resolves it first, logged, keeping the
+    kernel a resumed run started with: ``postnorm.train.programs.resolve_attention``).
+    """
+
+    vocab_size: int
+    max_len: int
+    n_layers: int
+    d_model: int
+    n_heads: int
+    d_ff: int
+    norm: str = "post"
+    positions: str = "rope"
+    init: str = "torch_default"
+    tie_embeddings: bool = False
+    norm_eps: float = 1e-6
+    rope_base: float = 10000.0
+    dtype: str = "float32"
+    attention: str = "einsum"
+    attention_block: int = 128
+    remat: str = "none"
+    scan_unroll: int = 1
+
+    @classmethod
+    def from_config(cls, model_cfg: ml_collections.ConfigDict, *, vocab_size: int,
+                    max_len: int) -> "ModelSpec":
+        fields = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "max_len"}
+        values = {k: model_cfg[k] for k in fields if k in model_cfg}
+        if values.get("attention") == AUTO:
+            values["attention"], _ = choose_attention(
+                dtype=values["dtype"], d_model=values["d_model"], n_heads=values["n_heads"],
+                platform=jax.default_backend())
+        return cls(vocab_size=vocab_size, max_len=max_len, **values)

@@ -1,0 +1,1 @@
+"""The process around the programs: mesh, multi-host agreement, preemption, allocator, XLA."""

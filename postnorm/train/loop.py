@@ -1,0 +1,230 @@
+"""The training loop: steps, evals, checkpoints, rollbacks and preemption, resumable."""
+
+import contextlib
+import os
+
+import jax
+import ml_collections
+from absl import logging
+from clu import parameter_overview
+
+from postnorm.data import LMData
+from postnorm.errors import NonFiniteError
+from postnorm.files import write_json_atomic
+from postnorm.runtime.mesh import batch_sharding
+from postnorm.runtime.multihost import stop_together
+from postnorm.runtime.preemption import Preempted, PreemptionWatch
+from postnorm.train.experiment import (
+    Experiment,
+    build_experiment,
+    evaluate,
+    global_batch,
+    global_frequency_floor,
+    preflight,
+    restore_run,
+    train_iterator,
+    unusable_elsewhere,
+)
+from postnorm.train.forensics import set_aside_dumps, write_nonfinite_dump
+from postnorm.train.reporter import Reporter
+from postnorm.train.state import GuardedState
+from postnorm.workdir.checkpoint import Checkpointer
+from postnorm.workdir.config_record import check_run_config, write_run_config
+from postnorm.workdir.data_record import check_run_data
+from postnorm.workdir.layout import Workdir, latest_checkpoint_step
+from postnorm.workdir.lock import WorkdirLock
+from postnorm.workdir.metrics import read_jsonl
+
+
+def _restore_or_init(exp: Experiment, ckpt: Checkpointer):
+    """(state, step, data iterator) of the latest usable checkpoint, or of step 0."""
+    data_iter = train_iterator(exp)
+    restored = ckpt.restore_latest(exp.steps.abstract_state, data_iter)
+    if restored is None:
+        logging.info("no checkpoint in %s: starting from step 0", ckpt.directory)
+        return exp.steps.init(exp.config.seed), 0, data_iter
+    state, step = restored
+    logging.info("resumed from the checkpoint at step %d", step)
+    return state, step, data_iter
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+    """Train ``config`` in ``workdir`` (resuming if possible); returns the final metrics.
+
+    Raises ``Preempted`` after checkpointing on SIGTERM, and ``NonFiniteError`` when a
+    non-finite step stops the run (policy ``abort``, or ``rollback`` out of rollbacks).
+    """
+    workdir = preflight(config, workdir, lambda w: check_run_config(w, config))  # writes nothing
+    lock = WorkdirLock(workdir)
+    stop_together(lock.acquire if jax.process_index() == 0 else lambda: None, unusable_elsewhere)
+    try:
+        return _train_holding_the_lock(config, workdir)
+    finally:
+        lock.release()
+
+
+def _record_run(workdir: str, config: ml_collections.ConfigDict, data_info: dict,
+                start: int) -> None:
+    """Record the run's config and data (process 0); a run starting afresh sets an earlier
+    attempt's non-finite dumps aside, as they are not its own."""
+    write_run_config(workdir, config)
+    write_json_atomic(Workdir(workdir).data_info, data_info)
+    if start == 0:
+        for path in set_aside_dumps(workdir):
+            logging.info("starting afresh: an earlier attempt's dump moved to %s", path)
+
+
+def _check_resumed_data(workdir: str, config: ml_collections.ConfigDict, data: LMData) -> None:
+    """A run with a checkpoint resumes only on the data it was trained on."""
+    if latest_checkpoint_step(workdir) is not None:
+        check_run_data(workdir, data.info, config.data.data_dir, "resume")
+
+
+def _check_workdir_again(workdir: str, config: ml_collections.ConfigDict) -> None:
+    """Under the lock: a run that held it may have recorded a config since the preflight, and
+    a damaged ``metrics.jsonl`` is refused before any compile."""
+    check_run_config(workdir, config)
+    metrics = Workdir(workdir).metrics
+    if jax.process_index() == 0 and os.path.exists(metrics):
+        read_jsonl(metrics)
+
+
+def _train_holding_the_lock(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+    """``train_and_evaluate`` once ``workdir`` is this run's alone."""
+    stop_together(lambda: _check_workdir_again(workdir, config), unusable_elsewhere)
+    ckpt = Checkpointer(Workdir(workdir).checkpoints, save_every=config.train.ckpt_every,
+                        keep=config.train.keep_ckpts)
+    try:
+        exp = build_experiment(config, lambda data: _check_resumed_data(workdir, config, data),
+                               workdir=workdir)
+        state, start, data_iter = _restore_or_init(exp, ckpt)
+        stop_together(lambda: _record_run(workdir, exp.config, exp.data.info, start)
+                      if jax.process_index() == 0 else None, unusable_elsewhere)
+        if jax.process_index() == 0:
+            parameter_overview.log_parameter_overview(state.params)
+        reporter = Reporter(workdir, config.data.batch_size * config.data.seq_len,
+                            config.train.steps, exp.data.lfreq)
+        try:
+            reporter.restart(start, int(state.skipped_steps))
+            watch = PreemptionWatch(start)
+            try:
+                _train_loop(exp, ckpt, watch, reporter, state, start, data_iter, workdir)
+            finally:
+                watch.close()
+        finally:
+            reporter.close()  # also when the watch or the metric writers fail to start
+    finally:
+        ckpt.close()  # also when building the experiment fails: waits for orbax's threads
+    return reporter.final
+
+
+def _train_loop(exp: Experiment, ckpt: Checkpointer, watch: PreemptionWatch,
+                reporter: Reporter, state: GuardedState, start: int, data_iter,
+                workdir: str) -> None:
+    """Steps ``start + 1 .. train.steps``, with evals, checkpoints, rollbacks and preemption."""
+    config = exp.config
+    total = config.train.steps
+    halting = config.train.nonfinite != "skip"
+    positions = {}  # step -> data-iterator state before its batch, since the last clean check
+    sharding = batch_sharding(exp.mesh)
+    called = set()  # the programs called so far: their first call compiles them
+    step = start
+    while step < total:
+        step += 1
+        if halting:
+            positions[step] = data_iter.get_state()
+        local_batch = next(data_iter)
+        batch = global_batch(local_batch, sharding)
+        is_diag = step % config.diag.every == 0 or step == 1
+        program = "diag" if is_diag else "train"
+        compiling = program not in called
+        called.add(program)
+        with reporter.excluded(state) if compiling else contextlib.nullcontext():
+            if is_diag:
+                state, device_metrics, device_diag = exp.steps.diag(state, batch)
+            else:
+                (state, device_metrics), device_diag = exp.steps.train(state, batch), None
+        reporter.flush()  # step - 1's metrics: the device is already busy with this step
+        is_log = step % config.train.log_every == 0 or step in (start + 1, total)
+        if is_log or is_diag:
+            floor = (global_frequency_floor(local_batch["targets"], exp.data.unigram_counts)
+                     if is_log else None)
+            reporter.hold(step, device_metrics if is_log else None, device_diag, floor)
+        is_eval = step % config.train.eval_every == 0 or step == total
+        stop = watch.should_stop(step)
+        if halting and (reporter.saw_skip or is_eval or stop
+                        or step % config.train.ckpt_every == 0 or step == total):
+            if int(state.halted_at):  # a host sync, but evals and saves sync anyway
+                reporter.flush()
+                halted, skipped = int(state.halted_at), int(state.skipped_steps)
+                try:
+                    state, start, data_iter = _nonfinite(exp, ckpt, state, positions, workdir)
+                except NonFiniteError:  # the steps after the halted one froze the state
+                    reporter.restart(halted, skipped)  # their records are dropped
+                    raise
+                reporter.restart(start, int(state.skipped_steps))
+                step, positions = start, {}
+                continue
+            positions.clear()
+        if is_eval:
+            reporter.flush()
+            with reporter.excluded(state):
+                reporter.write_eval(step, evaluate(exp, state), exp.eval_floor)
+        if ckpt.should_save(step, force=step == total or stop):
+            with reporter.excluded(state):
+                ckpt.save(step, state, data_iter, force=step == total or stop)
+        if stop and step < total:  # a stop asked for during the last step: the run is done
+            reporter.flush()
+            ckpt.wait_until_finished()
+            raise Preempted(step, str(ckpt.directory), interrupted=watch.interrupted)
+    reporter.flush()
+
+
+def _nonfinite(exp: Experiment, ckpt: Checkpointer, state: GuardedState,
+               positions: dict[int, dict], workdir: str):
+    """Rolls back (returns the restored state, its step and data iterator) or raises."""
+    cfg = exp.config.train
+    step, rollbacks = int(state.halted_at), int(state.rollbacks)
+    if cfg.nonfinite == "rollback" and rollbacks < cfg.max_rollbacks:
+        ckpt.wait_until_finished()
+        restored, start, data_iter = _restore_or_init(exp, ckpt)
+        shardings = exp.steps.state_shardings
+        restored = restored.replace(
+            lr_scale=jax.device_put(state.lr_scale * cfg.rollback_lr_factor, shardings.lr_scale),
+            rollbacks=jax.device_put(state.rollbacks + 1, shardings.rollbacks))
+        logging.warning("step %d is non-finite: rolled back to step %d with the learning rate "
+                        "scaled by %.3g (rollback %d of train.max_rollbacks=%d)", step, start,
+                        float(restored.lr_scale), rollbacks + 1, cfg.max_rollbacks)
+        return restored, start, data_iter
+    dump = _dump_nonfinite(exp, state, step, positions[step], workdir)
+    if cfg.nonfinite == "abort":
+        why, policy = "", "set train.nonfinite to 'skip' or 'rollback'"
+    else:
+        why = f" after {rollbacks} rollbacks (train.max_rollbacks={cfg.max_rollbacks})"
+        policy = "raise train.max_rollbacks or set train.nonfinite to 'skip'"
+    raise NonFiniteError(
+        f"step {step} has a non-finite loss or gradient{why}; no state from it was saved. "
+        f"Forensic dump: {dump}. To go on, {policy} and rerun: the run resumes from its last "
+        "checkpoint. A lower opt.lr or an opt.clip_norm changes the run, so once it has a "
+        "checkpoint that needs a new --workdir.")
+
+
+def _dump_nonfinite(exp: Experiment, state: GuardedState, step: int, position: dict,
+                    workdir: str) -> str:
+    """Reruns ``step``'s batch through the diagnostic step with the parameters from before it
+    (``state``, which this donates) and writes the forensic dump; returns its path."""
+    data_iter = train_iterator(exp)
+    data_iter.set_state(position)
+    batch = global_batch(next(data_iter), batch_sharding(exp.mesh))
+    _, metrics, diagnostics = exp.steps.diag(state, batch)
+    return write_nonfinite_dump(workdir, step, position, jax.device_get(metrics),
+                                jax.device_get(diagnostics))
+
+
+def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str) -> float:
+    """Restore the latest checkpoint of ``workdir`` and evaluate it on the validation split."""
+    exp, state, step, _ = restore_run(config, workdir, "evaluate", data_position=False)
+    loss = evaluate(exp, state)
+    logging.info("eval of the checkpoint at step %d: loss %.4f | L_freq %.4f", step, loss,
+                 exp.data.lfreq)
+    return loss

@@ -1,0 +1,144 @@
+"""A config's programs: ``build_programs`` is the one way from a config to the jitted steps."""
+
+import copy
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from absl import logging
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from postnorm.config.schema import ConfigError
+from postnorm.model import Decoder, ModelSpec, param_counts
+from postnorm.model.attention_choice import AUTO, choose_attention
+from postnorm.model.layers import ATTENTION_KERNELS
+from postnorm.runtime.mesh import batch_sharding, make_mesh, tree_shardings
+from postnorm.runtime.multihost import same_on_every_process
+from postnorm.runtime.xla_options import XlaOptions, compiler_options
+from postnorm.train.losses import Loss, make_loss
+from postnorm.train.optim import make_optimizer
+from postnorm.train.state import GuardedState, guard
+from postnorm.train.steps import Batch, diag_step, eval_step, train_step, with_update_norms
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledSteps:
+    """The state's shardings, a sharded initializer and the jitted steps."""
+
+    state_shardings: GuardedState
+    abstract_state: GuardedState
+    init: Callable[[int], GuardedState]
+    train: Callable[[GuardedState, Batch], tuple[GuardedState, dict[str, jax.Array]]]
+    diag: Callable[[GuardedState, Batch], tuple[GuardedState, dict[str, jax.Array], dict]]
+    evaluate: Callable[[GuardedState, Batch], jax.Array]
+
+
+def compile_steps(spec: ModelSpec, tx: optax.GradientTransformation, schedule: optax.Schedule,
+                  mesh: Mesh, loss: Loss, *, halt_on_nonfinite: bool = True,
+                  xla_options: XlaOptions | None = None) -> CompiledSteps:
+    """Build the shardings of the state and jit every step against ``mesh``.
+
+    ``halt_on_nonfinite``: freeze the state at the first non-finite step (policies ``abort``
+    and ``rollback``) rather than only skipping that step's update (``skip``).
+    ``xla_options``: XLA options for every step's compilation (``runtime.xla_options``).
+    """
+    jit = functools.partial(jax.jit, compiler_options=xla_options or None)
+    model = Decoder(spec)
+    tokens_1xL = jnp.zeros((1, spec.max_len), jnp.int32)
+
+    def init_params(rng: jax.Array):
+        return model.init(rng, tokens_1xL)["params"]
+
+    def init_state(seed: int) -> GuardedState:
+        params = nn.unbox(init_params(jax.random.key(seed)))
+        return GuardedState.create_guarded(apply_fn=model.apply, params=params, tx=tx)
+
+    param_shardings = tree_shardings(mesh, jax.eval_shape(init_params, jax.random.key(0)))
+    abstract = jax.eval_shape(init_state, 0)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, sharding: sharding, abstract.opt_state, param_shardings,
+        transform_non_params=lambda _: replicated)
+    shardings = abstract.replace(step=replicated, params=param_shardings, opt_state=opt_shardings,
+                                 skipped_steps=replicated, halted_at=replicated,
+                                 lr_scale=replicated, rollbacks=replicated)
+    abstract_state = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+    data_sharding = batch_sharding(mesh)
+    batch_shardings = {"inputs": data_sharding, "targets": data_sharding}
+    return CompiledSteps(
+        state_shardings=shardings,
+        abstract_state=abstract_state,
+        init=jit(init_state, static_argnums=0, out_shardings=shardings),
+        train=jit(guard(functools.partial(train_step, schedule=schedule, loss=loss),
+                        halt=halt_on_nonfinite),
+                  in_shardings=(shardings, batch_shardings),
+                  out_shardings=(shardings, replicated), donate_argnums=0),
+        diag=jit(with_update_norms(guard(functools.partial(diag_step, schedule=schedule,
+                                                           loss=loss),
+                                         halt=halt_on_nonfinite)),
+                 in_shardings=(shardings, batch_shardings),
+                 out_shardings=(shardings, replicated, replicated), donate_argnums=0),
+        evaluate=jit(functools.partial(eval_step, loss=loss),
+                     in_shardings=(shardings, batch_shardings), out_shardings=replicated),
+    )
+
+
+def resolve_attention(config: ml_collections.ConfigDict,
+                      recorded: str | None = None) -> ml_collections.ConfigDict:
+    """``config`` itself, or with ``model.attention=auto`` a copy naming the kernel this host
+    runs: ``recorded`` (the kernel a resumed run started with) where it can run here, else
+    ``choose_attention``'s. Logged with the reason; every process must choose the same."""
+    if config.model.attention != AUTO:
+        return config
+    model = config.model
+    kernel, why = choose_attention(dtype=model.dtype, d_model=model.d_model,
+                                   n_heads=model.n_heads, platform=jax.default_backend(),
+                                   recorded=recorded)
+    if not same_on_every_process(ATTENTION_KERNELS.index(kernel)):
+        raise ConfigError(f"model.attention=auto chose {kernel!r} on this host and another "
+                          "kernel on another: set model.attention to one kernel for every host")
+    logging.info("model.attention=auto -> %s: %s", kernel, why)
+    config = copy.deepcopy(config)
+    config.model.attention = kernel
+    return config
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """What a config compiles to: the config it was built from (``model.attention`` resolved),
+    the model's spec, the device mesh, the jitted steps and the XLA options they compile with."""
+
+    config: ml_collections.ConfigDict
+    spec: ModelSpec
+    mesh: Mesh
+    steps: CompiledSteps
+    xla_options: XlaOptions
+
+
+def build_programs(config: ml_collections.ConfigDict, vocab_size: int, *,
+                   recorded_attention: str | None = None,
+                   xla_options: XlaOptions | None = None) -> Programs:
+    """The programs of a validated ``config`` for a vocabulary of ``vocab_size``: the
+    attention kernel resolved (``resolve_attention``), the spec, the mesh over every device,
+    the optimizer, the loss and the jitted steps, compiled with ``xla_options`` (default: the
+    config's ``runtime.xla_options``)."""
+    if xla_options is None:
+        xla_options = compiler_options(config.runtime.xla_options)
+    config = resolve_attention(config, recorded_attention)
+    spec = ModelSpec.from_config(config.model, vocab_size=vocab_size,
+                                 max_len=config.data.seq_len)
+    logging.info("parameters: %s", ", ".join(f"{k}={v:,}" for k, v in param_counts(spec).items()))
+    mesh = make_mesh(config.mesh)
+    logging.info("mesh: %s", ", ".join(f"{axis}={size}" for axis, size in mesh.shape.items()))
+    tx, schedule = make_optimizer(config.opt, config.train.steps)
+    steps = compile_steps(spec, tx, schedule, mesh, make_loss(config),
+                          halt_on_nonfinite=config.train.nonfinite != "skip",
+                          xla_options=xla_options)
+    return Programs(config, spec, mesh, steps, xla_options)
