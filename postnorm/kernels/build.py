@@ -1,4 +1,4 @@
-"""Compile the C++ kernels once per source, compiler, jaxlib and CPU, and register them with XLA."""
+"""Compile the C++ kernels once per source, compiler, target, jaxlib and CPU; register them."""
 
 import ctypes
 import fcntl
@@ -19,12 +19,13 @@ KERNEL_DIR = Path(__file__).resolve().parent
 BUILD_DIR = KERNEL_DIR / "_build"
 ATTENTION_SOURCE = KERNEL_DIR / "causal_attention_cpu.cc"
 COMPILERS = ("c++", "g++", "clang++")
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
+NATIVE = "native"  # -march: this CPU's instruction sets, which choose the kernel's vector width
 FFI_TARGETS = {"postnorm_causal_attention_fwd": "PostnormCausalAttentionForward",
                "postnorm_causal_attention_fwd_stats": "PostnormCausalAttentionForwardStats",
                "postnorm_causal_attention_bwd": "PostnormCausalAttentionBackward"}
 
-_registered: set[str] = set()
+_registered: dict[str, str] = {}  # FFI target -> the -march of the library registered for it
 
 
 class KernelBuildError(UserError, RuntimeError):
@@ -48,10 +49,14 @@ def cpu_flags() -> str:
     return platform.machine() + platform.processor()
 
 
-def build_key(source: Path, compiler: str) -> str:
+def compile_flags(march: str) -> tuple[str, ...]:
+    return (*FLAGS, f"-march={march}")
+
+
+def build_key(source: Path, compiler: str, march: str = NATIVE) -> str:
     """A hash of the source, the compiler's version, the flags, jaxlib and the CPU."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    parts = (source.read_bytes(), version.encode(), " ".join(FLAGS).encode(),
+    parts = (source.read_bytes(), version.encode(), " ".join(compile_flags(march)).encode(),
              jaxlib.__version__.encode(), cpu_flags().encode())
     digest = hashlib.sha256()
     for part in parts:
@@ -61,15 +66,16 @@ def build_key(source: Path, compiler: str) -> str:
 
 
 def build(source: Path = ATTENTION_SOURCE, compiler: str | None = None,
-          build_dir: Path = BUILD_DIR) -> Path:
-    """The shared library of ``source``, compiled unless an identical build exists."""
+          build_dir: Path = BUILD_DIR, march: str = NATIVE) -> Path:
+    """The shared library of ``source`` for the CPU target ``march`` (``-march``; by default
+    this CPU), compiled unless an identical build exists."""
     compiler = compiler or find_compiler()
     if compiler is None or shutil.which(compiler) is None:
         raise KernelBuildError(
             f"model.attention='cpu' compiles {source.name} with a C++17 compiler, but "
             f"{compiler or ' / '.join(COMPILERS)} is not on the PATH: install one (e.g. "
             "apt-get install g++) or set model.attention=blocked")
-    library = build_dir / f"{source.stem}-{build_key(source, compiler)}.so"
+    library = build_dir / f"{source.stem}-{build_key(source, compiler, march)}.so"
     if library.exists():
         return library
     try:
@@ -82,15 +88,16 @@ def build(source: Path = ATTENTION_SOURCE, compiler: str | None = None,
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # processes starting at once compile it once
         if not library.exists():
-            _compile(source, compiler, library)
+            _compile(source, compiler, library, march)
     return library
 
 
-def _compile(source: Path, compiler: str, library: Path) -> None:
+def _compile(source: Path, compiler: str, library: Path, march: str) -> None:
     """Compile to a temporary file and rename it, readable by every user, to ``library``."""
     fd, partial = tempfile.mkstemp(dir=library.parent, suffix=".so.partial")
     os.close(fd)
-    command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", partial]
+    command = [compiler, *compile_flags(march), f"-I{jax.ffi.include_dir()}", str(source), "-o",
+               partial]
     try:
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
@@ -107,11 +114,19 @@ def _compile(source: Path, compiler: str, library: Path) -> None:
             os.unlink(partial)
 
 
-def register_attention_kernels(compiler: str | None = None) -> None:
-    """Build (if needed) and register the CPU attention kernel's FFI targets, once a process."""
-    if set(FFI_TARGETS) <= _registered:
+def register_attention_kernels(compiler: str | None = None, march: str | None = None) -> None:
+    """Build (if needed) and register the CPU attention kernel's FFI targets, once a process:
+    for the CPU target ``march`` (``-march``), or without one for this CPU, unless a build
+    for another target is registered already (tests and benchmarks register one first)."""
+    if set(FFI_TARGETS) <= set(_registered):
+        registered = _registered[next(iter(FFI_TARGETS))]
+        if march not in (None, registered):
+            raise KernelBuildError(f"this process registered the C++ kernel built for "
+                                   f"-march={registered}, not -march={march}: one build serves "
+                                   "a process")
         return
-    path = build(ATTENTION_SOURCE, compiler)
+    march = march or NATIVE
+    path = build(ATTENTION_SOURCE, compiler, march=march)
     try:
         library = ctypes.cdll.LoadLibrary(str(path))
     except OSError as err:
@@ -120,4 +135,9 @@ def register_attention_kernels(compiler: str | None = None) -> None:
     for target, symbol in FFI_TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
                                     platform="cpu")
-        _registered.add(target)
+        _registered[target] = march
+
+
+def registered_march() -> str | None:
+    """The ``-march`` of the kernel this process registered; None before it registers one."""
+    return _registered.get(next(iter(FFI_TARGETS)))

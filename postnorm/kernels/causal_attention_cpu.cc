@@ -7,9 +7,13 @@
 // query i when j <= i.
 //
 // Each (b, h) head is one work item, run on XLA's intra-op thread pool. Within a head the
-// queries are taken W = 16 at a time: scores are kept transposed, S^T[j, lane] for key j and
-// query i0 + lane, so that the softmax, P.V and the backward's products are W-wide vector
+// queries are taken W at a time, W the floats of one vector register of the target (16 with
+// AVX-512, 8 with AVX or AVX2, 4 otherwise): scores are kept transposed, S^T[j, lane] for key j
+// and query i0 + lane, so that the softmax, P.V and the backward's products are W-wide vector
 // operations over queries, and the causal mask is a per-lane test on the diagonal block only.
+// The tiles are sized so their accumulators fit the target's vector registers (32 with
+// AVX-512, 16 below it on x86-64): an accumulator spilled to the stack costs a store and a
+// load per multiply-add.
 
 #include <algorithm>
 #include <atomic>
@@ -26,7 +30,21 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int W = 16;  // queries per vector
+#if defined(__AVX512F__)
+constexpr int W = 16;
+#elif defined(__AVX__)
+constexpr int W = 8;
+#else
+constexpr int W = 4;
+#endif
+#if defined(__AVX512F__) || defined(__aarch64__)
+constexpr int kRegisters = 32;  // vector registers of the target
+#else
+constexpr int kRegisters = 16;
+#endif
+// Keys per tile, a divisor of W: independent accumulators that hide the FMA latency.
+constexpr int kKeys = W < 8 ? W : 8;
+constexpr int kAccumulators = kRegisters / 2;  // vector accumulators of one tile, at most
 typedef float Vec __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t IVec __attribute__((vector_size(W * sizeof(int32_t))));
 
@@ -108,13 +126,20 @@ void scatter_transposed(const float* src_t, const Shape& s, int64_t b, int64_t h
 template <int K>
 void products_t(const float* rows, const float* cols_t, int64_t padded, int64_t i0,
                 int64_t n_keys, bool mask, float* out_t) {
-  Vec c[K];
-  for (int d = 0; d < K; ++d) c[d] = load(cols_t + d * padded + i0);
-  constexpr int kKeys = 8;  // independent accumulators, enough to hide the FMA latency
+  // The K query columns stay in registers beside the kKeys accumulators where they fit;
+  // otherwise each is loaded where it is used (an L1 load per kKeys multiply-adds).
+  constexpr bool kResident = K + kKeys + 2 <= kRegisters;
+  Vec c[kResident ? K : 1];
+  if constexpr (kResident)
+    for (int d = 0; d < K; ++d) c[d] = load(cols_t + d * padded + i0);
   for (int64_t j = 0; j < n_keys; j += kKeys) {
     Vec a[kKeys] = {};
-    for (int d = 0; d < K; ++d)
-      for (int jj = 0; jj < kKeys; ++jj) a[jj] += rows[(j + jj) * K + d] * c[d];
+    for (int d = 0; d < K; ++d) {
+      Vec cd;
+      if constexpr (kResident) cd = c[d];
+      else cd = load(cols_t + d * padded + i0);
+      for (int jj = 0; jj < kKeys; ++jj) a[jj] += rows[(j + jj) * K + d] * cd;
+    }
     for (int jj = 0; jj < kKeys; ++jj) store(out_t + (j + jj) * W, a[jj]);
   }
   if (mask) {
@@ -131,7 +156,7 @@ void products_t(const float* rows, const float* cols_t, int64_t padded, int64_t 
 template <int K>
 void weighted_sum_t(const float* rows, const float* weights_t, int64_t n_keys, int64_t padded,
                     int64_t i0, Vec scale, float* out_t) {
-  constexpr int kChunk = K < 16 ? K : 16;
+  constexpr int kChunk = K < kAccumulators ? K : kAccumulators;
   for (int d0 = 0; d0 < K; d0 += kChunk) {
     Vec acc[kChunk] = {};
     for (int64_t j = 0; j < n_keys; ++j) {
@@ -143,24 +168,36 @@ void weighted_sum_t(const float* rows, const float* weights_t, int64_t n_keys, i
 }
 
 // out[j, :] += sum_lane weights_t[j, lane] * rows[i0 + lane, :] for j < n_keys (a multiple of
-// W), 16 columns of the rows at a time so the accumulators stay in registers.
+// W), W columns of the rows at a time (one vector) so the kKeys accumulators stay in registers.
 template <int K>
 void accumulate_rows(const float* weights_t, const float* rows, int64_t i0, int64_t n_keys,
                      float* out) {
-  constexpr int kKeys = 8;
-  constexpr int kChunk = K < 16 ? K : 16;
-  for (int64_t j = 0; j < n_keys; j += kKeys) {
-    for (int d0 = 0; d0 < K; d0 += kChunk) {
-      float a[kKeys][kChunk] = {};
+  if constexpr (K >= W) {
+    for (int64_t j = 0; j < n_keys; j += kKeys) {
+      for (int d0 = 0; d0 < K; d0 += W) {
+        Vec a[kKeys] = {};
+        for (int l = 0; l < W; ++l) {
+          const Vec r = load(rows + (i0 + l) * K + d0);
+          for (int jj = 0; jj < kKeys; ++jj) a[jj] += weights_t[(j + jj) * W + l] * r;
+        }
+        for (int jj = 0; jj < kKeys; ++jj) {
+          float* o = out + (j + jj) * K + d0;
+          store(o, load(o) + a[jj]);
+        }
+      }
+    }
+  } else {  // rows narrower than a vector
+    for (int64_t j = 0; j < n_keys; j += kKeys) {
+      float a[kKeys][K] = {};
       for (int l = 0; l < W; ++l) {
-        const float* r = rows + (i0 + l) * K + d0;
+        const float* r = rows + (i0 + l) * K;
         for (int jj = 0; jj < kKeys; ++jj) {
           const float w = weights_t[(j + jj) * W + l];
-          for (int d = 0; d < kChunk; ++d) a[jj][d] += w * r[d];
+          for (int d = 0; d < K; ++d) a[jj][d] += w * r[d];
         }
       }
       for (int jj = 0; jj < kKeys; ++jj)
-        for (int d = 0; d < kChunk; ++d) out[(j + jj) * K + d0 + d] += a[jj][d];
+        for (int d = 0; d < K; ++d) out[(j + jj) * K + d] += a[jj][d];
     }
   }
 }
