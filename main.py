@@ -50,8 +50,8 @@ def print_param_count(config) -> None:
         vocab_size = read_user_sentencepiece(config.data.tokenizer_path).vocab_size
         origin = config.data.tokenizer_path
     print(f"vocabulary: {vocab_size:,} (from {origin})")
-    spec = ModelSpec.from_config(config.model, vocab_size=vocab_size,
-                                 max_len=config.data.seq_len)
+    model = config.model.to_dict() | {"attention": "einsum"}  # the parameters of every kernel
+    spec = ModelSpec.from_config(model, vocab_size=vocab_size, max_len=config.data.seq_len)
     for group, count in param_counts(spec).items():
         print(f"{group:>14}: {count:>13,} ({count / 1e6:.1f}M)")
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from benchmarks.programs import cpu_description
+from benchmarks.programs import cpu_description, use_kernel_march
 from benchmarks.timing import interleaved_median_ms
 from postnorm.kernels.causal_attention import cpu_causal_attention
 from postnorm.model.layers import blocked_causal_attention
@@ -111,6 +111,7 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"--shape={FLAGS.shape!r}: expected BxLxHxK, e.g. 16x128x4x16")
     if not FLAGS.kernels or len(set(FLAGS.kernels)) < len(FLAGS.kernels):
         raise app.UsageError(f"--kernels: one or more, each once, not {FLAGS.kernels}")
+    use_kernel_march()
     shape = tuple(int(s) for s in FLAGS.shape.split("x"))
     kernels = {name: jax_kernel(name) for name in FLAGS.kernels}
     rng = np.random.default_rng(0)

@@ -62,6 +62,7 @@ from benchmarks.programs import (
     memory_analysis,
     timed_programs,
     transparent_hugepage_mode,
+    use_kernel_march,
 )
 from benchmarks.timing import timed
 from postnorm.config.args import ConfigArgError, apply_arg, config_file_variants, parse_flags
@@ -102,6 +103,7 @@ def main(argv: list[str]) -> None:
     check_benchmark_config(FLAGS.config)
     allocator = use_allocator(FLAGS.config.runtime.allocator)  # may re-execute this command
     compile_afresh()
+    use_kernel_march()
     base_options = compiler_options(FLAGS.config.runtime.xla_options)
     option_sets = {}
     for text in FLAGS.xla_options:

@@ -13,8 +13,10 @@ import time
 import jax
 import ml_collections
 import numpy as np
+from absl import flags
 
 from postnorm.data import check_batch_shape
+from postnorm.kernels.build import NATIVE, register_attention_kernels, registered_march
 from postnorm.model import Decoder
 from postnorm.model.flops import forward_flops_per_token, train_flops_per_token
 from postnorm.runtime.mesh import batch_sharding
@@ -23,6 +25,8 @@ from postnorm.train.programs import build_programs
 from postnorm.train.validate import check_all_but_data
 
 PROGRAMS = ("train", "diag", "forward")
+flags.DEFINE_string("kernel_march", None, "Build the C++ attention kernel for this -march (e.g. "
+                    "haswell: its AVX2 code) instead of this CPU's own.")
 THP_SETTING = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
 CPUINFO = pathlib.Path("/proc/cpuinfo")
 # The vector and matrix instruction sets a CPU step's speed depends on, as /proc/cpuinfo names them
@@ -64,9 +68,16 @@ def cpu_description() -> dict[str, object]:
     flags = re.search(r"^flags\s*:\s*(.*)$", text, re.M)
     present = set(flags.group(1).split()) if flags else None
     return {"model": model.group(1).strip() if model else None,
+            "kernel_march": registered_march(),  # the C++ kernel's target, once it is built
             "cores": (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                       else os.cpu_count()),
             "isa": None if present is None else [f for f in CPU_ISA_FLAGS if f in present]}
+
+
+def use_kernel_march() -> None:
+    """Build and register the C++ kernel for ``--kernel_march`` before anything else does."""
+    if flags.FLAGS.kernel_march not in (None, NATIVE):
+        register_attention_kernels(march=flags.FLAGS.kernel_march)
 
 
 def minor_page_faults() -> int:

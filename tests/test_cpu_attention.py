@@ -1,7 +1,10 @@
 """The C++ CPU attention kernel (``model.attention='cpu'``): against a float64 numpy forward and
 ``jax.vjp`` of a plain jnp attention, on a mesh, under remat, and its build and config errors."""
 
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -175,6 +178,32 @@ def test_remat_policies_keep_the_kernel_residuals(remat):
     keep its output and log-sum-exp instead, so it runs once."""
     assert _forward_kernel_calls(jax.checkpoint_policies.nothing_saveable) == 2
     assert _forward_kernel_calls(REMAT_POLICIES[remat]) == 1
+
+
+# The CPU targets the kernel's vector width and tiles follow (W floats a vector, the register
+# file): x86-64 (SSE, W = 4), haswell (AVX2, W = 8), skylake-avx512 (AVX-512, W = 16), each run
+# where this CPU has its instructions.
+TARGETS = {"x86-64": (), "haswell": ("avx2", "fma"), "skylake-avx512": ("avx512f", "avx512bw")}
+KERNEL_TESTS = ("forward_and_log_sum_exp or gradients_match or padded_head_dims or "
+                "row_statistics or statistics_variant or large_scores or a_nan_reaches")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not re.search(r"x86_64|amd64", os.uname().machine, re.I),
+                    reason="the targets are x86-64 ones")
+@pytest.mark.parametrize("march", sorted(TARGETS))
+def test_every_vector_width_passes_the_kernel_tests(march):
+    """The kernel tests above with the kernel built for ``march`` instead of this CPU."""
+    flags = set(build.cpu_flags().split())
+    if missing := [f for f in TARGETS[march] if f not in flags]:
+        pytest.skip(f"this CPU lacks {missing} for -march={march}")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
+         f"--kernel-march={march}", __file__, "-k", KERNEL_TESTS],
+        capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", result.stdout)
+    assert passed and int(passed[1]) >= 29, result.stdout[-500:]  # every kernel test ran
 
 
 def test_build_is_reused_and_rebuilt_when_the_source_changes(tmp_path):

@@ -10,7 +10,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "postnorm"
 # A room may import from rooms of a lower rank and from itself (README.md, "Layout").
 RANKS = {
     "errors": 0,
-    "config": 1, "diagnostics": 1, "files": 1, "kernels": 1, "theory": 1,
+    "config": 1, "diagnostics": 1, "files": 1, "kernels": 1, "theory": 1, "timing": 1,
     "data": 2, "model": 2, "runtime": 2,
     "workdir": 3,
     "train": 4,

@@ -44,7 +44,7 @@ def halting():
 
 
 def _steps_and_batch(halt: bool):
-    config = get_config("layers=2")
+    config = get_config("layers=2,model.attention=cpu")
     config.model.d_model, config.model.n_heads, config.model.d_ff = 32, 4, 64
     config.mesh.data = 1
     spec = ModelSpec.from_config(config.model, vocab_size=64, max_len=16)

@@ -84,7 +84,7 @@ def test_resume_reproduces_losses_exactly(corpus, tmp_path):
 
 def test_sharded_step_matches_single_device():
     assert jax.device_count() == 8, "tests/conftest.py sets 8 simulated CPU devices"
-    config = get_config("layers=2")
+    config = get_config("layers=2,model.attention=cpu")
     config.model.d_model, config.model.n_heads, config.model.d_ff = 32, 4, 64
     spec = ModelSpec.from_config(config.model, vocab_size=64, max_len=32)
     tx, schedule = make_optimizer(config.opt, 10)
@@ -195,6 +195,7 @@ def test_mesh_axis_sizes_and_shard_shapes():
     assert dict(mesh.shape) == {"data": 1, "fsdp": 2, "tensor": 4}
     assert batch_sharding(mesh).shard_shape((8, 16)) == (4, 16)  # replicated over tensor
     cfg.model.d_model, cfg.model.n_heads, cfg.model.d_ff = 32, 4, 64
+    cfg.model.attention = "cpu"
     spec = ModelSpec.from_config(cfg.model, vocab_size=64, max_len=16)
     tx, schedule = make_optimizer(cfg.opt, 10)
     params = compile_steps(spec, tx, schedule, mesh, Loss()).abstract_state.params

@@ -77,7 +77,7 @@ def test_a_setting_that_passed_is_checked_once_per_process(monkeypatch):
 
 def _train(options, steps: int = 3):
     config = get_config("model.n_layers=3,model.d_model=32,model.d_ff=96,data.seq_len=32,"
-                        "data.batch_size=8")
+                        "data.batch_size=8,model.attention=cpu")
     spec = ModelSpec.from_config(config.model, vocab_size=64, max_len=config.data.seq_len)
     tx, schedule = make_optimizer(config.opt, config.train.steps)
     compiled = compile_steps(spec, tx, schedule, make_mesh(config.mesh), Loss(),

@@ -1,11 +1,38 @@
 """Which attention kernel can run where, and ``model.attention=auto``'s choice among them."""
 
-from postnorm.kernels.build import KernelBuildError, register_attention_kernels
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+from postnorm.files import FileWriteError, lock_exclusively, write_json_atomic
+from postnorm.kernels.build import (
+    BUILD_DIR,
+    NATIVE,
+    KernelBuildError,
+    register_attention_kernels,
+    registered_march,
+)
+from postnorm.kernels.build import build as build_kernel
 from postnorm.kernels.causal_attention import HEAD_DIMS
+from postnorm.model.decoder import REMAT_POLICIES, Block
+from postnorm.model.spec import ModelSpec
+from postnorm.timing import interleaved_median_s
 
 AUTO = "auto"
 # What to set instead of a kernel that cannot run.
 ALTERNATIVES = {"cpu": "model.attention=auto or blocked", "cudnn": "model.attention=auto or xla"}
+# The CPU kernels the probe times: einsum is blocked with one block of all rows, which the
+# blocked kernel never beats at a length longer than its block, where it skips masked blocks.
+PROBED = ("cpu", "blocked")
+PROBE_ROUNDS = 7
+PROBE_CACHE = BUILD_DIR / "attention_choice.json"
 
 
 def config_refusal(kernel: str, *, dtype: str, d_model: int, n_heads: int) -> str | None:
@@ -32,10 +59,10 @@ def backend_refusal(kernel: str, *, platform: str) -> str | None:
     return None
 
 
-def unrunnable(kernel: str, *, dtype: str, d_model: int, n_heads: int,
-               platform: str) -> str | None:
-    """Why ``kernel`` cannot run here; None when it can. The C++ kernel is built to find out."""
-    why = (config_refusal(kernel, dtype=dtype, d_model=d_model, n_heads=n_heads)
+def unrunnable(kernel: str, spec: ModelSpec, platform: str) -> str | None:
+    """Why ``kernel`` cannot run ``spec``'s attention here; None when it can. The C++ kernel is
+    built to find out."""
+    why = (config_refusal(kernel, dtype=spec.dtype, d_model=spec.d_model, n_heads=spec.n_heads)
            or backend_refusal(kernel, platform=platform))
     if why is None and kernel == "cpu":
         try:
@@ -45,27 +72,91 @@ def unrunnable(kernel: str, *, dtype: str, d_model: int, n_heads: int,
     return why
 
 
-def choose_attention(*, dtype: str, d_model: int, n_heads: int, platform: str,
-                     recorded: str | None = None) -> tuple[str, str]:
-    """(kernel, why) for ``model.attention=auto`` on ``platform``.
+def layer_step_seconds(spec: ModelSpec, batch: int, kernels: tuple[str, ...],
+                       rounds: int = PROBE_ROUNDS) -> dict[str, float]:
+    """Median seconds of one layer's forward and backward (``Block`` under ``spec.remat``, the
+    gradients of its parameters and input) on ``batch`` sequences, per kernel, interleaved."""
+    x_BxLxD = jax.random.normal(jax.random.key(0), (batch, spec.max_len, spec.d_model))
+    fns, args = {}, {}
+    for kernel in kernels:
+        layer_spec = dataclasses.replace(spec, attention=kernel)
+        block = Block if spec.remat == "none" else nn.remat(
+            Block, prevent_cse=False, policy=REMAT_POLICIES[spec.remat])
+        layer = block(layer_spec)
+        params = layer.init(jax.random.key(1), x_BxLxD, None)
 
-    ``recorded`` (the kernel a resumed run started with) wins where it can run. Otherwise: on
-    the CPU the C++ kernel (``cpu``) where it can run, else ``blocked``; on a GPU cuDNN's fused
-    kernel in bfloat16, else ``blocked``; elsewhere ``blocked``, which XLA compiles everywhere
-    and which skips the masked half of the score blocks.
+        def loss(params, x_BxLxD, layer=layer):
+            return jnp.sum(layer.apply(params, x_BxLxD, None)[0].astype(jnp.float32))
+
+        fns[kernel] = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x_BxLxD).compile()
+        args[kernel] = (params, x_BxLxD)
+    interleaved_median_s(fns, args, repeats=1)  # warm up
+    return interleaved_median_s(fns, args, repeats=rounds)
+
+
+def _probe_key(spec: ModelSpec, batch: int) -> str:
+    """What the fastest kernel depends on: the C++ kernel's build (its source, compiler, CPU
+    and jaxlib), the threads, and the layer's shapes and settings."""
+    shape = {k: getattr(spec, k) for k in ("max_len", "d_model", "n_heads", "d_ff", "positions",
+                                           "dtype", "attention_block", "remat", "norm")}
+    parts = {"kernel": build_kernel(march=registered_march() or NATIVE).name,
+             "jaxlib": jaxlib.__version__, "batch": batch,
+             "threads": len(os.sched_getaffinity(0)), **shape}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def probe_cpu_kernels(spec: ModelSpec, batch: int) -> dict[str, float]:
+    """``layer_step_seconds`` of ``PROBED`` for ``spec`` and ``batch``, measured once per CPU,
+    build, thread count and shape and cached in ``PROBE_CACHE`` (under a lock, so processes
+    starting together measure once; without a writable cache each process measures)."""
+    key = _probe_key(spec, batch)
+    try:
+        os.makedirs(BUILD_DIR, exist_ok=True)
+        lock = open(BUILD_DIR / ".probe.lock", "w")  # noqa: SIM115 (held while measuring)
+    except OSError:
+        return layer_step_seconds(spec, batch, PROBED)
+    with lock:
+        lock_exclusively(lock.fileno(), str(BUILD_DIR / ".probe.lock"), wait=True)
+        try:
+            cached = json.loads(PROBE_CACHE.read_text())
+        except (OSError, ValueError):
+            cached = {}
+        if not isinstance(cached, dict):
+            cached = {}
+        if isinstance(cached.get(key), dict) and set(cached[key]) == set(PROBED):
+            return cached[key]
+        seconds = layer_step_seconds(spec, batch, PROBED)
+        with contextlib.suppress(FileWriteError):  # not cached: measured again next time
+            write_json_atomic(PROBE_CACHE, {**cached, key: seconds})
+        return seconds
+
+
+def choose_attention(spec: ModelSpec, *, batch: int, platform: str,
+                     recorded: str | None = None) -> tuple[str, str]:
+    """(kernel, why) for ``model.attention=auto``: ``spec``'s attention on ``batch`` sequences
+    per device on ``platform`` (``spec.attention`` is ignored).
+
+    ``recorded`` (the kernel a resumed run started with) wins where it can run. On the CPU,
+    where the C++ kernel can run, the faster of it and ``blocked`` in one layer's forward and
+    backward at these shapes (``probe_cpu_kernels``), else ``blocked``; on a GPU, cuDNN's
+    fused kernel in bfloat16, else ``blocked``; elsewhere ``blocked``, which XLA compiles
+    everywhere and which skips the masked half of the score blocks.
     """
-    model = {"dtype": dtype, "d_model": d_model, "n_heads": n_heads, "platform": platform}
     before = ""
     if recorded not in (None, AUTO):
-        why_not = unrunnable(recorded, **model)
+        why_not = unrunnable(recorded, spec, platform)
         if why_not is None:
             return recorded, "the kernel the run started with (its config.json)"
         before = f"the run started with {recorded!r}, which cannot run here ({why_not}); "
     if platform == "cpu":
-        why_not = unrunnable("cpu", **model)
-        if why_not is None:
-            return "cpu", before + "the C++ CPU kernel, built for this CPU"
-        return "blocked", before + why_not
-    if unrunnable("cudnn", **model) is None:
+        why_not = unrunnable("cpu", spec, platform)
+        if why_not is not None:
+            return "blocked", before + why_not
+        seconds = probe_cpu_kernels(spec, batch)
+        fastest = min(PROBED, key=seconds.get)
+        times = ", ".join(f"{k} {seconds[k] * 1e3:.2f} ms" for k in PROBED)
+        return fastest, (before + f"the faster on this CPU in one layer's forward and backward "
+                         f"at this config's shapes ({times})")
+    if unrunnable("cudnn", spec, platform) is None:
         return "cudnn", before + "cuDNN's fused attention on a GPU in bfloat16"
-    return "blocked", before + f"the blocked XLA kernel on {platform!r} in {dtype}"
+    return "blocked", before + f"the blocked XLA kernel on {platform!r} in {spec.dtype}"

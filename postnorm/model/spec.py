@@ -2,11 +2,8 @@
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import ml_collections
-
-from postnorm.model.attention_choice import AUTO, choose_attention
 
 POSITION_SCHEMES = ("rope", "learned", "none")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -16,9 +13,8 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 class ModelSpec:
     """Everything the network needs; built from ``config.model`` plus data-derived sizes.
 
-    ``attention`` is a kernel name, never ``auto``: ``from_config`` resolves that with
-    ``postnorm.model.attention_choice`` (the trainer resolves it first, logged, keeping the
-    kernel a resumed run started with: ``postnorm.train.programs.resolve_attention``).
+    ``attention`` is a kernel name, never ``auto``, which a config's programs resolve first
+    (``postnorm.train.programs.resolve_attention``).
     """
 
     vocab_size: int
@@ -40,12 +36,11 @@ class ModelSpec:
     scan_unroll: int = 1
 
     @classmethod
-    def from_config(cls, model_cfg: ml_collections.ConfigDict, *, vocab_size: int,
+    def from_config(cls, model_cfg: ml_collections.ConfigDict | dict, *, vocab_size: int,
                     max_len: int) -> "ModelSpec":
         fields = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "max_len"}
         values = {k: model_cfg[k] for k in fields if k in model_cfg}
-        if values.get("attention") == AUTO:
-            values["attention"], _ = choose_attention(
-                dtype=values["dtype"], d_model=values["d_model"], n_heads=values["n_heads"],
-                platform=jax.default_backend())
+        if values.get("attention") == "auto":
+            raise ValueError("model.attention='auto' names no kernel: resolve it first "
+                             "(postnorm.train.programs.resolve_attention)")
         return cls(vocab_size=vocab_size, max_len=max_len, **values)

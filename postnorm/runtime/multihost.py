@@ -34,9 +34,8 @@ def process_mean(value: float) -> float:
     return float(np.mean(multihost_utils.process_allgather(np.float64(value))))
 
 
-def same_on_every_process(index: int) -> bool:
-    """Whether every process passed the same ``index`` (a choice made on each host)."""
+def from_process_0(index: int) -> int:
+    """Process 0's ``index`` (a choice it made for every process), on every process."""
     if jax.process_count() == 1:
-        return True
-    chosen = multihost_utils.broadcast_one_to_all(np.int32(index))
-    return all_processes_agree(int(chosen) == index)
+        return index
+    return int(multihost_utils.broadcast_one_to_all(np.int32(index)))

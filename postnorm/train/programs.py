@@ -15,10 +15,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from postnorm.config.schema import ConfigError
 from postnorm.model import Decoder, ModelSpec, param_counts
-from postnorm.model.attention_choice import AUTO, choose_attention
+from postnorm.model.attention_choice import AUTO, choose_attention, unrunnable
 from postnorm.model.layers import ATTENTION_KERNELS
-from postnorm.runtime.mesh import batch_sharding, make_mesh, tree_shardings
-from postnorm.runtime.multihost import same_on_every_process
+from postnorm.runtime.mesh import batch_sharding, make_mesh, mesh_shape, tree_shardings
+from postnorm.runtime.multihost import from_process_0
 from postnorm.runtime.xla_options import XlaOptions, compiler_options
 from postnorm.train.losses import Loss, make_loss
 from postnorm.train.optim import make_optimizer
@@ -92,20 +92,28 @@ def compile_steps(spec: ModelSpec, tx: optax.GradientTransformation, schedule: o
 
 def resolve_attention(config: ml_collections.ConfigDict,
                       recorded: str | None = None) -> ml_collections.ConfigDict:
-    """``config`` itself, or with ``model.attention=auto`` a copy naming the kernel this host
-    runs: ``recorded`` (the kernel a resumed run started with) where it can run here, else
-    ``choose_attention``'s. Logged with the reason; every process must choose the same."""
+    """``config`` itself, or with ``model.attention=auto`` a copy naming the kernel to run:
+    ``choose_attention``'s on process 0 (``recorded``, the kernel a resumed run started with,
+    where it can run; else the fastest that can), logged with the reason, and the same on
+    every process."""
     if config.model.attention != AUTO:
         return config
-    model = config.model
-    kernel, why = choose_attention(dtype=model.dtype, d_model=model.d_model,
-                                   n_heads=model.n_heads, platform=jax.default_backend(),
-                                   recorded=recorded)
-    if not same_on_every_process(ATTENTION_KERNELS.index(kernel)):
-        raise ConfigError(f"model.attention=auto chose {kernel!r} on this host and another "
-                          "kernel on another: set model.attention to one kernel for every host")
-    logging.info("model.attention=auto -> %s: %s", kernel, why)
     config = copy.deepcopy(config)
+    config.model.attention = "blocked"  # a placeholder: the probe sets each kernel
+    spec = ModelSpec.from_config(config.model, vocab_size=2, max_len=config.data.seq_len)
+    data, fsdp, _ = mesh_shape(config.mesh, jax.device_count())
+    batch = max(config.data.batch_size // (data * fsdp), 1)  # per device
+    kernel, why = (choose_attention(spec, batch=batch, platform=jax.default_backend(),
+                                    recorded=recorded)
+                   if jax.process_index() == 0 else ("blocked", ""))
+    kernel = ATTENTION_KERNELS[from_process_0(ATTENTION_KERNELS.index(kernel))]
+    if jax.process_index() != 0:
+        why = "process 0's choice"
+        if why_not := unrunnable(kernel, spec, jax.default_backend()):
+            raise ConfigError(f"model.attention=auto chose {kernel!r} on process 0, which cannot "
+                              f"run on this host ({why_not}): set model.attention for every "
+                              "host")
+    logging.info("model.attention=auto -> %s: %s", kernel, why)
     config.model.attention = kernel
     return config
 
