@@ -46,6 +46,7 @@ from postnorm.runtime.allocator import use_allocator
 from postnorm.sweep.record import run_once
 from postnorm.sweep.workers import check_workers, run_pinned
 from postnorm.train.validate import check_config
+from postnorm.workdir.layout import Workdir
 from postnorm.workdir.metrics import read_metrics
 
 config_flags.DEFINE_config_file("config", "configs/default.py", "Base config (norm and seed are "
@@ -62,7 +63,6 @@ flags.DEFINE_integer("train_batches", 0, "With --thm38: also the final checkpoin
                      lower_bound=0)
 flags.DEFINE_integer("workers", 1, "Train the runs in this many CPU-pinned processes.")
 FLAGS = flags.FLAGS
-THM38_NAME = "thm38.json"
 
 
 def seeded_config(base: ml_collections.ConfigDict, norm: str, seed: int,
@@ -76,7 +76,7 @@ def seeded_config(base: ml_collections.ConfigDict, norm: str, seed: int,
 
 def thm38(config: ml_collections.ConfigDict, workdir: str, train_batches: int) -> dict:
     """The run's Thm 3.8 record, measured once per final checkpoint and ``train_batches``."""
-    path = os.path.join(workdir, THM38_NAME)
+    path = Workdir(workdir).thm38
     cached = _recorded_thm38(path)
     if cached is not None:
         measured_batches = cached.get("next_train_batches", {}).get("batches", 0)

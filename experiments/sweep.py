@@ -53,7 +53,7 @@ from postnorm.sweep.plan import (
     shard,
     varying_keys,
 )
-from postnorm.sweep.record import is_finished, read_result, run_logged
+from postnorm.sweep.record import is_finished, planned_digests, read_result, run_logged
 from postnorm.sweep.workers import check_workers, run_pinned
 from postnorm.train.validate import check_config
 from postnorm.workdir.config_record import WorkdirConfigError, read_run_config
@@ -100,17 +100,18 @@ def varied_fields(specs: list[RunSpec]) -> list[str]:
 
 
 def table_row(spec: RunSpec, config: dict, result: dict | None, fields: list[str],
-              digest: str) -> dict:
+              digests: set[str]) -> dict:
     """One row of the summary table: the run's ``fields`` (dotted paths) from ``config``, and
     its result. ``status`` is ``missing`` for runs not finished yet, and ``stale`` for a result
-    of another config than the planned one (``digest``; the sweep changed since it ran).
+    of another config than the planned one (``digests``: ``planned_digests``; the sweep
+    changed since it ran).
     ``collapsed`` is given for ``done`` runs only: a stopped run has no final state to judge."""
     row = {"run_id": spec.run_id, **{path: field_value(config, path) for path in fields},
            "status": "missing"}
     if result is None:
         return row
     collapse = result.get("collapse") or {}
-    status = result["status"] if result.get("config_digest") == digest else "stale"
+    status = result["status"] if result.get("config_digest") in digests else "stale"
     done = status == "done"
     row.update(status=status,
                final_train_loss=result.get("final_train_loss"),
@@ -280,7 +281,7 @@ def write_summary(base_config: str, specs: list[RunSpec], out_dir: str,
     for spec, planned, workdir in zip(specs, configs, workdirs, strict=True):
         config = recorded_or_planned_config(workdir, planned)
         rows.append(table_row(spec, config, read_result(workdir), fields,
-                              config_digest(planned)))
+                              planned_digests(planned)))
         rows[-1]["workdir"] = os.path.relpath(workdir, out_dir)
     keys = [k for k in fields if len({str(row[k]) for row in rows}) > 1]
     write_json_atomic(os.path.join(out_dir, "summary.json"), rows)

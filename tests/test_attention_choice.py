@@ -32,7 +32,7 @@ def timed_as(monkeypatch, tmp_path, seconds: dict[str, float]) -> list:
     list of measurements made."""
     made = []
 
-    def measure(spec, batch, kernels, rounds=7):
+    def measure(spec, batch, kernels, rounds=7, xla_options=None):
         made.append((spec.max_len, batch, kernels))
         return dict(seconds)
 

@@ -224,7 +224,7 @@ def measure_run(config, workdir, train_batches):
     return {"checkpoint_step": config.train.steps, "bound": bound, "stationary_point": point}
 
 collapse.thm38_measure.measure_run = measure_run
-config, path = get_config("steps=5"), os.path.join(workdir, collapse.THM38_NAME)
+config, path = get_config("steps=5"), os.path.join(workdir, "thm38.json")
 partial_mean = {"checkpoint_step": 5, "bound": {**bound, "mean": {"eps": 1e-5}},
                 "stationary_point": point}
 for damaged in ("{bad", '{"bound": 1}', '{"checkpoint_step": 5, "bound": {"n": 64}}',

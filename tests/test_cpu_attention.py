@@ -185,7 +185,8 @@ def test_remat_policies_keep_the_kernel_residuals(remat):
 # where this CPU has its instructions.
 TARGETS = {"x86-64": (), "haswell": ("avx2", "fma"), "skylake-avx512": ("avx512f", "avx512bw")}
 KERNEL_TESTS = ("forward_and_log_sum_exp or gradients_match or padded_head_dims or "
-                "row_statistics or statistics_variant or large_scores or a_nan_reaches")
+                "row_statistics or statistics_variant or large_scores or a_nan_reaches or "
+                "session_target")
 
 
 @pytest.mark.slow
@@ -203,7 +204,16 @@ def test_every_vector_width_passes_the_kernel_tests(march):
         capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     passed = re.search(r"(\d+) passed", result.stdout)
-    assert passed and int(passed[1]) >= 29, result.stdout[-500:]  # every kernel test ran
+    assert passed and int(passed[1]) >= 30, result.stdout[-500:]  # every kernel test ran
+
+
+def test_the_kernel_is_the_session_targets(pytestconfig):
+    """Under ``--kernel-march`` (the test above), the kernel the other tests ran is that build."""
+    march = pytestconfig.getoption("--kernel-march")
+    if march is None:
+        pytest.skip("a session with --kernel-march runs this")
+    jax.jit(_forward)(*random_inputs((1, 8, 1, 4), n=3))
+    assert build.registered_march() == march
 
 
 def test_build_is_reused_and_rebuilt_when_the_source_changes(tmp_path):

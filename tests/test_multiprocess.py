@@ -7,6 +7,7 @@ batch the way the two-process run lays it out on the data axis: process 0's 4 ro
 process 1's, from ``train_iterator(process_index=i, process_count=2)``.
 """
 
+import json
 import re
 import signal
 import socket
@@ -239,3 +240,20 @@ def test_a_metrics_write_failing_on_process_0_stops_both_processes_with_exit_2(
     assert "No space left on device" in texts[0]
     assert ("postnorm: error: process 0 could not write the metrics: its log says why"
             in texts[1])
+
+
+@pytest.mark.slow
+def test_two_processes_run_the_kernel_auto_chose_on_process_0(tmp_path, tmp_path_factory):
+    """model.attention=auto: process 0 chooses (timing the kernels), the other takes its
+    choice, and the run records it."""
+    corpus = write_corpus(tmp_path / "corpus", num_docs=80)
+    flag = config_flag(corpus, tmp_path / "tfds",
+                       **{**FIELDS, "train__steps": 2, "model__attention": "auto"})
+    workdir, logs = tmp_path / "run", [tmp_path / f"auto_{i}.txt" for i in range(2)]
+    _wait(_launch(flag, workdir, jax_cache_dir(tmp_path_factory), logs), logs)
+    chosen = [re.search(r"model.attention=auto -> (\w+): (.*)", log.read_text()) for log in logs]
+    assert chosen[0] and chosen[1], [log.read_text()[-2000:] for log in logs]
+    assert chosen[1][1] == chosen[0][1] and chosen[1][2] == "process 0's choice"
+    assert chosen[0][2].startswith("the faster on this CPU")
+    recorded = json.loads((workdir / "config.json").read_text())
+    assert recorded["model"]["attention"] == chosen[0][1]

@@ -333,7 +333,7 @@ result = {"status": "done", "config_digest": "D", "final_train_loss": 6.0, "lfre
           "train_loss_over_lfreq": 1.2, "train_loss_over_floor": 1.1,
           "collapse": {"collapsed": False, "collapse_step": None}, "skipped_steps": 0,
           "rollbacks": 0, "wall_s": 3.0}
-row = sweep_cli.table_row(spec, {"model": {"n_layers": 2}}, result, ["model.n_layers"], "D")
+row = sweep_cli.table_row(spec, {"model": {"n_layers": 2}}, result, ["model.n_layers"], {"D"})
 assert (row["loss_over_lfreq"], row["loss_over_floor"]) == (1.2, 1.1), row
 
 def cell(depth, lr, status, ratio, norm="post"):

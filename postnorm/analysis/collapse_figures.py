@@ -15,12 +15,12 @@ from postnorm.analysis.collapse import (  # noqa: E402
     train_loss_and_floor,
 )
 from postnorm.analysis.figures import cell_edges, save_figure  # noqa: E402
+from postnorm.model.decoder import SUBLAYERS  # noqa: E402
 from postnorm.workdir.metrics import layer_series  # noqa: E402
 
 Series = dict[str, tuple[np.ndarray, np.ndarray]]
 Window = tuple[int, int] | None
 NORM_COLOURS = {"post": "tab:red", "pre": "tab:blue"}
-SUBLAYERS = ("attn", "ffn")
 
 
 def _save(fig: plt.Figure, path: str) -> str:

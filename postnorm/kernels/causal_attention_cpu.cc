@@ -235,9 +235,9 @@ struct Scratch {
         scores_t(s.padded * W) {}
 };
 
-// Per query row, the statistics of the diagnostic step (postnorm.diagnostics.
-// attention_row_stats): the entropy of its attention and the total variation distance from
-// uniform attention over its i visible keys. Left null (both), they are not computed.
+// Per query row, the statistics of the diagnostic step
+// (postnorm.diagnostics.stats.attention_row_stats): the entropy of its attention and the total
+// variation distance from uniform attention over its i visible keys. Left null (both), they are not computed.
 struct RowStats {
   float* entropy = nullptr;  // [B, H, L]
   float* tv_uniform = nullptr;  // [B, H, L]

@@ -2,11 +2,11 @@
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import jaxlib
@@ -21,7 +21,7 @@ from postnorm.kernels.build import (
 )
 from postnorm.kernels.build import build as build_kernel
 from postnorm.kernels.causal_attention import HEAD_DIMS
-from postnorm.model.decoder import REMAT_POLICIES, Block
+from postnorm.model.decoder import layer_class
 from postnorm.model.spec import ModelSpec
 from postnorm.timing import interleaved_median_s
 
@@ -73,72 +73,86 @@ def unrunnable(kernel: str, spec: ModelSpec, platform: str) -> str | None:
 
 
 def layer_step_seconds(spec: ModelSpec, batch: int, kernels: tuple[str, ...],
-                       rounds: int = PROBE_ROUNDS) -> dict[str, float]:
-    """Median seconds of one layer's forward and backward (``Block`` under ``spec.remat``, the
-    gradients of its parameters and input) on ``batch`` sequences, per kernel, interleaved."""
+                       rounds: int = PROBE_ROUNDS,
+                       xla_options: dict | None = None) -> dict[str, float]:
+    """Median seconds of one layer's forward and backward (the decoder's layer under
+    ``spec.remat``, the gradients of its parameters and input) on ``batch`` sequences, per
+    kernel, interleaved; compiled with ``xla_options``."""
     x_BxLxD = jax.random.normal(jax.random.key(0), (batch, spec.max_len, spec.d_model))
     fns, args = {}, {}
     for kernel in kernels:
-        layer_spec = dataclasses.replace(spec, attention=kernel)
-        block = Block if spec.remat == "none" else nn.remat(
-            Block, prevent_cse=False, policy=REMAT_POLICIES[spec.remat])
-        layer = block(layer_spec)
+        layer = layer_class(spec)(dataclasses.replace(spec, attention=kernel))
         params = layer.init(jax.random.key(1), x_BxLxD, None)
 
         def loss(params, x_BxLxD, layer=layer):
             return jnp.sum(layer.apply(params, x_BxLxD, None)[0].astype(jnp.float32))
 
-        fns[kernel] = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x_BxLxD).compile()
+        step = jax.jit(jax.grad(loss, argnums=(0, 1)), compiler_options=xla_options or None)
+        fns[kernel] = step.lower(params, x_BxLxD).compile()
         args[kernel] = (params, x_BxLxD)
     interleaved_median_s(fns, args, repeats=1)  # warm up
     return interleaved_median_s(fns, args, repeats=rounds)
 
 
-def _probe_key(spec: ModelSpec, batch: int) -> str:
+def _probe_key(spec: ModelSpec, batch: int, xla_options: dict | None) -> str:
     """What the fastest kernel depends on: the C++ kernel's build (its source, compiler, CPU
-    and jaxlib), the threads, and the layer's shapes and settings."""
+    and jaxlib), the threads, the XLA options, and the layer's shapes and settings."""
     shape = {k: getattr(spec, k) for k in ("max_len", "d_model", "n_heads", "d_ff", "positions",
                                            "dtype", "attention_block", "remat", "norm")}
     parts = {"kernel": build_kernel(march=registered_march() or NATIVE).name,
              "jaxlib": jaxlib.__version__, "batch": batch,
-             "threads": len(os.sched_getaffinity(0)), **shape}
+             "threads": len(os.sched_getaffinity(0)), "xla_options": xla_options or {}, **shape}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def probe_cpu_kernels(spec: ModelSpec, batch: int) -> dict[str, float]:
+def _valid(seconds: object) -> bool:
+    """A cache entry: a finite positive time for each probed kernel."""
+    return (isinstance(seconds, dict) and set(seconds) == set(PROBED)
+            and all(isinstance(s, int | float) and 0 < s < float("inf")
+                    for s in seconds.values()))
+
+
+def probe_cpu_kernels(spec: ModelSpec, batch: int,
+                      xla_options: dict | None = None) -> dict[str, float]:
     """``layer_step_seconds`` of ``PROBED`` for ``spec`` and ``batch``, measured once per CPU,
-    build, thread count and shape and cached in ``PROBE_CACHE`` (under a lock, so processes
-    starting together measure once; without a writable cache each process measures)."""
-    key = _probe_key(spec, batch)
+    build, thread count, XLA options and shape and cached in ``PROBE_CACHE`` (under a lock, so
+    processes starting together measure once; without a writable or readable cache each
+    process measures, and a damaged entry is measured again)."""
+    key = _probe_key(spec, batch, xla_options)
+    measure = functools.partial(layer_step_seconds, spec, batch, PROBED,
+                                xla_options=xla_options)
     try:
         os.makedirs(BUILD_DIR, exist_ok=True)
         lock = open(BUILD_DIR / ".probe.lock", "w")  # noqa: SIM115 (held while measuring)
     except OSError:
-        return layer_step_seconds(spec, batch, PROBED)
+        return measure()
     with lock:
         lock_exclusively(lock.fileno(), str(BUILD_DIR / ".probe.lock"), wait=True)
         try:
             cached = json.loads(PROBE_CACHE.read_text())
-        except (OSError, ValueError):
+        except FileNotFoundError:
             cached = {}
-        if not isinstance(cached, dict):
-            cached = {}
-        if isinstance(cached.get(key), dict) and set(cached[key]) == set(PROBED):
+        except (OSError, ValueError):  # unreadable: measured, and the file left as it is
+            return measure()
+        cached = cached if isinstance(cached, dict) else {}
+        if _valid(cached.get(key)):
             return cached[key]
-        seconds = layer_step_seconds(spec, batch, PROBED)
+        seconds = measure()
         with contextlib.suppress(FileWriteError):  # not cached: measured again next time
             write_json_atomic(PROBE_CACHE, {**cached, key: seconds})
         return seconds
 
 
 def choose_attention(spec: ModelSpec, *, batch: int, platform: str,
-                     recorded: str | None = None) -> tuple[str, str]:
+                     recorded: str | None = None,
+                     xla_options: dict | None = None) -> tuple[str, str]:
     """(kernel, why) for ``model.attention=auto``: ``spec``'s attention on ``batch`` sequences
     per device on ``platform`` (``spec.attention`` is ignored).
 
     ``recorded`` (the kernel a resumed run started with) wins where it can run. On the CPU,
     where the C++ kernel can run, the faster of it and ``blocked`` in one layer's forward and
-    backward at these shapes (``probe_cpu_kernels``), else ``blocked``; on a GPU, cuDNN's
+    backward at these shapes, compiled with ``xla_options`` (``probe_cpu_kernels``), else
+    ``blocked``; on a GPU, cuDNN's
     fused kernel in bfloat16, else ``blocked``; elsewhere ``blocked``, which XLA compiles
     everywhere and which skips the masked half of the score blocks.
     """
@@ -152,7 +166,7 @@ def choose_attention(spec: ModelSpec, *, batch: int, platform: str,
         why_not = unrunnable("cpu", spec, platform)
         if why_not is not None:
             return "blocked", before + why_not
-        seconds = probe_cpu_kernels(spec, batch)
+        seconds = probe_cpu_kernels(spec, batch, xla_options)
         fastest = min(PROBED, key=seconds.get)
         times = ", ".join(f"{k} {seconds[k] * 1e3:.2f} ms" for k in PROBED)
         return fastest, (before + f"the faster on this CPU in one layer's forward and backward "

@@ -70,6 +70,13 @@ class Block(nn.Module):
         return x_BxLxD, (stats if diag else None)
 
 
+def layer_class(spec: ModelSpec) -> type[nn.Module]:
+    """``Block``, wrapped in ``nn.remat`` with ``spec.remat``'s policy unless it is ``none``."""
+    if spec.remat == "none":
+        return Block
+    return nn.remat(Block, prevent_cse=False, policy=REMAT_POLICIES[spec.remat])
+
+
 class Decoder(nn.Module):
     """Token embedding -> [positions] -> n_layers x Block (scanned) -> [final norm] -> logits."""
 
@@ -93,10 +100,7 @@ class Decoder(nn.Module):
             x_BxLxD = x_BxLxD + pos_LxD[: tokens_BxL.shape[1]]
         x_BxLxD = x_BxLxD.astype(DTYPES[s.dtype])
 
-        block = Block
-        if s.remat != "none":
-            block = nn.remat(Block, prevent_cse=False, policy=REMAT_POLICIES[s.remat])
-        stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
+        stack = nn.scan(layer_class(s), variable_axes={"params": 0}, split_rngs={"params": True},
                         length=s.n_layers, unroll=s.scan_unroll,
                         metadata_params={nn.PARTITION_NAME: "layers"})
         layer_probes = None if probes is None else probes["layers"]

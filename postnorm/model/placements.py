@@ -28,7 +28,6 @@ class Arrangement:
     sublayer: Callable[[jax.Array, Fn, Fn], SublayerOut]
     final_norm: bool
     gram: GramMaps
-    summary: str
 
 
 def post_sublayer(x: jax.Array, branch_fn: Fn, norm: Fn) -> SublayerOut:
@@ -43,8 +42,6 @@ def pre_sublayer(x: jax.Array, branch_fn: Fn, norm: Fn) -> SublayerOut:
 
 
 PLACEMENTS: dict[str, Arrangement] = {
-    "post": Arrangement(post_sublayer, final_norm=False, gram=POST_GRAM,
-                        summary="Post-Norm: x <- N(x + F(x))"),
-    "pre": Arrangement(pre_sublayer, final_norm=True, gram=PRE_GRAM,
-                       summary="Pre-Norm: x <- x + F(N(x)), final norm"),
+    "post": Arrangement(post_sublayer, final_norm=False, gram=POST_GRAM),  # x <- N(x + F(x))
+    "pre": Arrangement(pre_sublayer, final_norm=True, gram=PRE_GRAM),  # x <- x + F(N(x))
 }

@@ -12,9 +12,11 @@ from absl import logging
 from postnorm.analysis.collapse import DEFAULT_RULE, CollapseRule, detect_collapse
 from postnorm.analysis.figures import plots_after_training
 from postnorm.analysis.summary import summarize
-from postnorm.config.identity import config_digest
+from postnorm.config.identity import config_data, config_digest
 from postnorm.errors import NonFiniteError
 from postnorm.files import FileWriteError, from_text, make_output_dir, write_json_atomic
+from postnorm.model.attention_choice import AUTO
+from postnorm.model.layers import ATTENTION_KERNELS
 from postnorm.train.loop import train_and_evaluate
 from postnorm.workdir.config_record import check_run_config
 from postnorm.workdir.layout import Workdir, WorkdirError, latest_checkpoint_step
@@ -55,10 +57,22 @@ def read_result(workdir: str) -> dict | None:
                         "short of train.steps, and its result recorded again")
 
 
+def planned_digests(config: ml_collections.ConfigDict) -> set[str]:
+    """The config digests a record of ``config``'s run may carry: its own and, under
+    ``model.attention=auto``, those of the config naming each kernel (a run recorded before
+    ``auto`` was the default named its kernel)."""
+    digests = {config_digest(config)}
+    if config.model.attention == AUTO:
+        data = config_data(config)
+        digests |= {config_digest({**data, "model": {**data["model"], "attention": kernel}})
+                    for kernel in ATTENTION_KERNELS}
+    return digests
+
+
 def is_finished(workdir: str, config: ml_collections.ConfigDict) -> bool:
-    """See the module docstring."""
+    """Whether the run needs nothing more: docs/INTERNALS.md, ``sweep/record.py``."""
     result = read_result(workdir)
-    if result is None or result["config_digest"] != config_digest(config):
+    if result is None or result["config_digest"] not in planned_digests(config):
         return False
     if result["status"] == "nonfinite":
         return True
@@ -83,7 +97,7 @@ def _recorded_train_s(workdir: str, config: ml_collections.ConfigDict) -> float:
     started afresh), or by a version that recorded no config digest, is not carried over."""
     recorded = _read_record(Workdir(workdir).wall_time, ("train_s",),
                             "the run's recorded wall time then restarts at that invocation")
-    if recorded is None or recorded.get("config_digest") != config_digest(config):
+    if recorded is None or recorded.get("config_digest") not in planned_digests(config):
         return 0.0
     return float(recorded["train_s"])
 

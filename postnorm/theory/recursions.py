@@ -35,7 +35,9 @@ def correlation(g_NxN: np.ndarray) -> np.ndarray:
 class GramMaps:
     """One arrangement's action on the expected Gram G of the residual stream.
 
-    branch_input: G -> the Gram of what the branch F reads.
+    branch_input: G -> the Gram of what the attention branch reads. (The FFN branch reads rows
+      of RMS 1 in every arrangement so far, a norm's output or a normalised stream, so its Gram
+      is corr(G): ``ffn_branch_gram``. An arrangement whose FFN reads otherwise extends this.)
     combine: (G, B) -> the Gram after the sublayer, where B = E[F F^T] is the branch's Gram.
     normalized_stream: the stream leaving every sublayer has RMS 1 (its energy R stays 1 in
       the scalar closure); otherwise R grows by the branch energy and the branch's amount is

@@ -12,6 +12,7 @@ from postnorm.config.schema import ConfigError
 from postnorm.data import DataError, LMData, load_data
 from postnorm.data.lfreq import frequency_floor
 from postnorm.model import ModelSpec
+from postnorm.model.attention_choice import AUTO
 from postnorm.runtime.compilation_cache import use_compilation_cache
 from postnorm.runtime.mesh import batch_sharding
 from postnorm.runtime.multihost import process_mean, stop_together
@@ -19,7 +20,11 @@ from postnorm.runtime.xla_options import compiler_options
 from postnorm.train.programs import CompiledSteps, build_programs
 from postnorm.train.validate import check_config, check_vocab_layout
 from postnorm.workdir.checkpoint import CheckpointError, CheckpointReader
-from postnorm.workdir.config_record import check_eval_config, read_run_config
+from postnorm.workdir.config_record import (
+    WorkdirConfigError,
+    check_eval_config,
+    read_run_config,
+)
 from postnorm.workdir.data_record import check_run_data
 from postnorm.workdir.layout import Workdir, WorkdirError, latest_checkpoint_step
 
@@ -97,6 +102,18 @@ def load_data_once(config: ml_collections.ConfigDict) -> LMData:
     return loaded[0]
 
 
+def recorded_attention(config: ml_collections.ConfigDict, workdir: str | None) -> str | None:
+    """With ``model.attention=auto``, the kernel ``workdir``'s recorded run started with (None:
+    no record, or one that cannot be read, which the trainer overwrites or refuses itself)."""
+    if workdir is None or config.model.attention != AUTO:
+        return None
+    try:
+        recorded = read_run_config(workdir)
+    except WorkdirConfigError:
+        return None
+    return recorded["model"].get("attention") if recorded else None
+
+
 def build_experiment(config: ml_collections.ConfigDict,
                      check_data: Callable[[LMData], None] | None = None,
                      workdir: str | None = None) -> Experiment:
@@ -119,9 +136,8 @@ def build_experiment(config: ml_collections.ConfigDict,
         batch_size=config.data.batch_size // jax.process_count(),
         num_batches=config.train.eval_batches, process_index=jax.process_index(),
         process_count=jax.process_count())), _data_failed_elsewhere)
-    recorded = read_run_config(workdir) if workdir is not None else None
     programs = build_programs(config, data.tokenizer.vocab_size,
-                              recorded_attention=recorded and recorded["model"].get("attention"),
+                              recorded_attention=recorded_attention(config, workdir),
                               xla_options=xla_options)
     eval_floor = global_frequency_floor(np.stack([b["targets"] for b in eval_batches]),
                                         data.unigram_counts)

@@ -22,7 +22,8 @@ class Loss:
     """The objective: cross-entropy plus ``weight * term`` for each ``(name, weight, term)``.
 
     ``loss(logits, targets) -> (objective, parts)``: ``parts`` holds ``ce`` and each term by
-    name, so a step logs them apart and an evaluation reads the cross-entropy alone.
+    name; the train and diagnostic steps minimise and log the objective, and an evaluation
+    reads the cross-entropy alone.
     """
 
     terms: tuple[tuple[str, float, Term], ...] = ()

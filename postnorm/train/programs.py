@@ -18,7 +18,7 @@ from postnorm.model import Decoder, ModelSpec, param_counts
 from postnorm.model.attention_choice import AUTO, choose_attention, unrunnable
 from postnorm.model.layers import ATTENTION_KERNELS
 from postnorm.runtime.mesh import batch_sharding, make_mesh, mesh_shape, tree_shardings
-from postnorm.runtime.multihost import from_process_0
+from postnorm.runtime.multihost import from_process_0, stop_together
 from postnorm.runtime.xla_options import XlaOptions, compiler_options
 from postnorm.train.losses import Loss, make_loss
 from postnorm.train.optim import make_optimizer
@@ -90,12 +90,13 @@ def compile_steps(spec: ModelSpec, tx: optax.GradientTransformation, schedule: o
     )
 
 
-def resolve_attention(config: ml_collections.ConfigDict,
-                      recorded: str | None = None) -> ml_collections.ConfigDict:
+def resolve_attention(config: ml_collections.ConfigDict, recorded: str | None = None,
+                      xla_options: XlaOptions | None = None) -> ml_collections.ConfigDict:
     """``config`` itself, or with ``model.attention=auto`` a copy naming the kernel to run:
     ``choose_attention``'s on process 0 (``recorded``, the kernel a resumed run started with,
     where it can run; else the fastest that can), logged with the reason, and the same on
-    every process."""
+    every process. When process 0 cannot choose, or another host cannot run its choice, every
+    process raises."""
     if config.model.attention != AUTO:
         return config
     config = copy.deepcopy(config)
@@ -103,16 +104,31 @@ def resolve_attention(config: ml_collections.ConfigDict,
     spec = ModelSpec.from_config(config.model, vocab_size=2, max_len=config.data.seq_len)
     data, fsdp, _ = mesh_shape(config.mesh, jax.device_count())
     batch = max(config.data.batch_size // (data * fsdp), 1)  # per device
-    kernel, why = (choose_attention(spec, batch=batch, platform=jax.default_backend(),
-                                    recorded=recorded)
-                   if jax.process_index() == 0 else ("blocked", ""))
-    kernel = ATTENTION_KERNELS[from_process_0(ATTENTION_KERNELS.index(kernel))]
-    if jax.process_index() != 0:
-        why = "process 0's choice"
+    index, why, failure = -1, "process 0's choice", None
+    if jax.process_index() == 0:
+        try:
+            kernel, why = choose_attention(spec, batch=batch, platform=jax.default_backend(),
+                                           recorded=recorded, xla_options=xla_options)
+            index = ATTENTION_KERNELS.index(kernel)
+        except Exception as err:  # every process raises below, none waits for process 0
+            failure = err
+    index = from_process_0(index)
+    if failure is not None:
+        raise failure
+    if index < 0:
+        raise ConfigError("model.attention=auto: process 0 could not choose a kernel; its log "
+                          "says why")
+    kernel = ATTENTION_KERNELS[index]
+
+    def runnable_here() -> None:
         if why_not := unrunnable(kernel, spec, jax.default_backend()):
-            raise ConfigError(f"model.attention=auto chose {kernel!r} on process 0, which cannot "
-                              f"run on this host ({why_not}): set model.attention for every "
-                              "host")
+            raise ConfigError(f"model.attention=auto chose {kernel!r} on process 0, which "
+                              f"cannot run on this host ({why_not}): set model.attention for "
+                              "every host")
+
+    stop_together(runnable_here, lambda: ConfigError(
+        f"model.attention=auto chose {kernel!r}, which another host cannot run: its log says "
+        "why; set model.attention for every host"))
     logging.info("model.attention=auto -> %s: %s", kernel, why)
     config.model.attention = kernel
     return config
@@ -139,7 +155,7 @@ def build_programs(config: ml_collections.ConfigDict, vocab_size: int, *,
     config's ``runtime.xla_options``)."""
     if xla_options is None:
         xla_options = compiler_options(config.runtime.xla_options)
-    config = resolve_attention(config, recorded_attention)
+    config = resolve_attention(config, recorded_attention, xla_options)
     spec = ModelSpec.from_config(config.model, vocab_size=vocab_size,
                                  max_len=config.data.seq_len)
     logging.info("parameters: %s", ", ".join(f"{k}={v:,}" for k, v in param_counts(spec).items()))
