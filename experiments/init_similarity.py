@@ -25,7 +25,11 @@ fed as the layer-0 residual stream. Per layer it records tsim at every sublayer 
 * Post-Norm ablation: the same stack with attention (A - P) V W_O, i.e. without the causal
   prefix mean of V (``monte_carlo.attention_mode("centered")``).
 
-Writes ``layers.csv``, ``summary.json``, ``summary.md`` and ``init_similarity.png`` to --out_dir.
+With ``--init_tsim_target`` every arrangement's W_O gain is solved by the similarity-aware init
+(``postnorm.model.similarity_init``) first, and recorded.
+
+Writes ``layers.csv``, ``summary.json``, ``summary.md``, ``init_similarity.png`` and
+``arrangements.png`` (every arrangement, measured beside the mean-field prediction) to --out_dir.
 """
 
 import csv
@@ -53,6 +57,8 @@ from postnorm.errors import exit_on_error
 from postnorm.files import dumps, make_output_dir, write_json_atomic
 from postnorm.model import PLACEMENTS, ModelSpec
 from postnorm.model.initializers import embedding_init
+from postnorm.model.placements import init_gains
+from postnorm.model.similarity_init import with_similarity_init
 from postnorm.runtime.allocator import use_allocator
 from postnorm.theory import INIT_SCHEMES
 
@@ -70,6 +76,10 @@ flags.DEFINE_list("inputs", ["real", "gaussian"], "Inputs: real sequences and/or
 flags.DEFINE_bool("ablation", True, "Also run Post-Norm with prefix-centred attention (A - P).")
 flags.DEFINE_bool("uniform_check", True, "Also run Post-Norm with attention forced to prefix "
                   "averaging P (the theorem's assumption A1) and compare Delta_attn there too.")
+flags.DEFINE_float("init_tsim_target", 0.0, "The similarity-aware init's target "
+                   "(model.init_tsim_target): W_O's gain solved per arrangement; 0 disables.")
+flags.DEFINE_float("init_tsim_input", 0.05, "The input token similarity the solve assumes "
+                   "(model.init_tsim_input).")
 flags.DEFINE_enum("s_reading", "vo", list(theory.S_READINGS), "Reading of the amount s.")
 FLAGS = flags.FLAGS
 
@@ -77,13 +87,16 @@ INPUTS = ("real", "gaussian")
 TABLE_ROWS = 12  # layers shown per markdown table
 
 
-def build_config(n_layers: int, seq_len: int, init: str) -> ml_collections.ConfigDict:
+def build_config(n_layers: int, seq_len: int, init: str, init_tsim_target: float = 0.0,
+                 init_tsim_input: float = 0.05) -> ml_collections.ConfigDict:
     """``configs/paper.py`` with the embedded corpus (default data fields) at length seq_len."""
     config = paper.get_config()
     config.data = base_config().data
     config.data.seq_len = seq_len
     config.model.n_layers = n_layers
     config.model.init = init
+    config.model.init_tsim_target = init_tsim_target
+    config.model.init_tsim_input = init_tsim_input
     return config
 
 
@@ -120,11 +133,14 @@ def run_seed(spec: ModelSpec, fns: dict, params: dict, x0_1xNxD: jax.Array,
     out = derived(_numpy(fns["softmax"](params, x0_1xNxD)), amt, n)
     logging.info("%s stack forward: %.1f s", spec.norm, time.perf_counter() - start)
     x0 = np.asarray(x0_1xNxD[0], np.float64)
-    gram = PLACEMENTS[spec.norm].gram
-    mean_field = theory.mean_field_recursion(x0 @ x0.T / spec.d_model, spec.n_layers, amt, gram)
+    maps = PLACEMENTS[spec.norm].gram_maps(spec)
+    mean_field = theory.mean_field_recursion(x0 @ x0.T / spec.d_model, spec.n_layers, amt, maps)
     t_in = mean_field.tsim_in
-    scalar = theory.scalar_recursion(float(theory.tsim(x0)), n, spec.n_layers, amt, gram,
-                                     r0=float(np.mean(x0**2)))
+    if all(theory.scalar_closure_covers(m) for pair in maps for m in pair):
+        scalar = theory.scalar_recursion(float(theory.tsim(x0)), n, spec.n_layers, amt, maps,
+                                         r0=float(np.mean(x0**2)))
+    else:  # the scalar closure models Post- and Pre-Norm sublayers only
+        scalar = np.full((spec.n_layers, 2), np.nan)
     out.update(meanfield_attn=mean_field.tsim_after[:, 0],
                meanfield_ffn=mean_field.tsim_after[:, 1], meanfield_d_attn=mean_field.delta_attn,
                meanfield_d_attn_closed=theory.delta_attn(
@@ -317,6 +333,34 @@ def plot(path: str, results: dict) -> None:
     plt.close(fig)
 
 
+def plot_arrangements(path: str, results: dict, target: float) -> None:
+    """One panel per input: tsim after each layer for every arrangement, measured (solid, with
+    its standard error) beside the mean-field recursion's prediction (dashed)."""
+    norms = sorted({norm for norm, _ in results})
+    sources = [source for source in INPUTS if any(src == source for _, src in results)]
+    fig, axes = plt.subplots(1, len(sources), figsize=(7.5 * len(sources), 5), squeeze=False)
+    for ax, source in zip(axes[0], sources, strict=True):
+        for index, norm in enumerate(norms):
+            agg = results[(norm, source)]
+            depth = np.arange(len(agg["t_out"]) + 1)
+            color = f"C{index % 10}"
+            measured = np.concatenate([agg["t_attn"][:1], agg["t_out"]])
+            errors = np.concatenate([agg["t_attn_se"][:1], agg["t_out_se"]])
+            ax.errorbar(depth, measured, errors, color=color, marker=".", markersize=3,
+                        label=f"{norm}: measured")
+            ax.plot(depth, np.concatenate([agg["t_attn"][:1], agg["meanfield_ffn"]]), "--",
+                    color=color, alpha=0.8, label=f"{norm}: mean-field")
+        if target:
+            ax.axhline(target, color="k", linewidth=0.8, label=f"target {target}")
+        ax.set_yscale("log")
+        ax.set_title(f"tsim after each layer at init, {source} inputs")
+        ax.set_xlabel("layers applied")
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def real_sequences(config: ml_collections.ConfigDict, count: int) -> list[np.ndarray]:
     """The first ``count`` validation sequences, each int32[1, n]; sets ``data.vocab_size`` to the
     tokenizer's."""
@@ -332,16 +376,22 @@ def real_sequences(config: ml_collections.ConfigDict, count: int) -> list[np.nda
 
 
 def run(config: ml_collections.ConfigDict, *, seeds: int, norms: list[str], inputs: list[str],
-        ablation: bool, uniform_check: bool, s_reading: str) -> tuple[dict, dict, theory.Amounts]:
-    """Aggregated per-layer results and figures of merit per (norm, input)."""
+        ablation: bool, uniform_check: bool, s_reading: str
+        ) -> tuple[dict, dict, theory.Amounts, dict[str, float]]:
+    """Aggregated per-layer results and figures of merit per (norm, input), the nominal amounts
+    and each arrangement's W_O gain (the similarity-aware init's solved value, else 1)."""
     n, d = config.data.seq_len, config.model.d_model
     tokens = real_sequences(config, seeds) if "real" in inputs else []
     amt = theory.amounts_from_config(config.model, s_reading)
     embed = embedding_init(config.model.init)
-    results, figures = {}, {}
+    results, figures, gains = {}, {}, {}
     for norm in norms:
         config.model.norm = norm
-        spec = ModelSpec.from_config(config.model, vocab_size=config.data.vocab_size, max_len=n)
+        spec = with_similarity_init(
+            ModelSpec.from_config(config.model, vocab_size=config.data.vocab_size, max_len=n),
+            config.model.init_tsim_target, config.model.init_tsim_input)
+        gains[norm] = spec.attn_out_gain
+        norm_amt = amt.with_gains(init_gains(spec))
         fns = {"softmax": monte_carlo.stack_statistics(spec, "softmax")}
         if ablation and norm == "post":
             fns["centered"] = monte_carlo.stack_statistics(spec, "centered")
@@ -356,12 +406,12 @@ def run(config: ml_collections.ConfigDict, *, seeds: int, norms: list[str], inpu
             for source in inputs:
                 x0_1xNxD = (jnp.take(embedding_VxD, tokens[seed], axis=0) if source == "real"
                             else jax.random.normal(key_gauss, (1, n, d)))
-                per_seed[source].append(run_seed(spec, fns, params, x0_1xNxD, amt))
+                per_seed[source].append(run_seed(spec, fns, params, x0_1xNxD, norm_amt))
                 logging.info("done %s/%s seed %d", norm, source, seed)
         for source in inputs:
             results[(norm, source)] = aggregate(per_seed[source])
             figures[(norm, source)] = acceptance(results[(norm, source)])
-    return results, figures, amt
+    return results, figures, amt, gains
 
 
 def main(argv: list[str]) -> None:
@@ -373,9 +423,10 @@ def main(argv: list[str]) -> None:
     inputs = choice_list("inputs", FLAGS.inputs, INPUTS)
     make_output_dir(FLAGS.out_dir, "--out_dir")  # before the computing, not after it
     start = time.perf_counter()
-    config = build_config(FLAGS.n_layers, FLAGS.seq_len, FLAGS.init)
+    config = build_config(FLAGS.n_layers, FLAGS.seq_len, FLAGS.init, FLAGS.init_tsim_target,
+                          FLAGS.init_tsim_input)
     use_allocator(config.runtime.allocator)  # may re-execute this command
-    results, figures, amt = run(config, seeds=FLAGS.seeds, norms=norms,
+    results, figures, amt, gains = run(config, seeds=FLAGS.seeds, norms=norms,
                                 inputs=inputs, ablation=FLAGS.ablation,
                                 uniform_check=FLAGS.uniform_check, s_reading=FLAGS.s_reading)
     m = config.model
@@ -384,6 +435,8 @@ def main(argv: list[str]) -> None:
         "model": f"{m.n_layers} layers, d={m.d_model}, d_ff={m.d_ff}, {m.n_heads} heads, "
                  f"n={config.data.seq_len}, init={m.init}, positions={m.positions}",
         "seeds": FLAGS.seeds, "s_reading": FLAGS.s_reading,
+        "init_tsim_target": FLAGS.init_tsim_target, "init_tsim_input": FLAGS.init_tsim_input,
+        "attn_out_gain": gains,
         "amounts": {"s": amt.s, "xi": amt.xi, "a": amt.a, "xi_m1": amt.xi_m1},
         "amounts_table": amounts_table(m.d_model, m.d_ff),
         "wall_s": time.perf_counter() - start,
@@ -394,6 +447,8 @@ def main(argv: list[str]) -> None:
     write_json_atomic(os.path.join(FLAGS.out_dir, "summary.json"), meta)
     write_markdown(os.path.join(FLAGS.out_dir, "summary.md"), meta, results, figures)
     plot(os.path.join(FLAGS.out_dir, "init_similarity.png"), results)
+    plot_arrangements(os.path.join(FLAGS.out_dir, "arrangements.png"), results,
+                      FLAGS.init_tsim_target)
     print(dumps({"wall_s": meta["wall_s"], "peak_rss_mib": meta["peak_rss_mib"],
                       "figures": meta["figures"]}, indent=1))
 

@@ -21,11 +21,14 @@ def rope(x_LxHxK: np.ndarray, base: float) -> np.ndarray:
 
 
 def attention(x_LxD: np.ndarray, p: dict, n_heads: int, positions: str,
-              rope_base: float) -> np.ndarray:
+              rope_base: float, eps: float = 1e-6) -> np.ndarray:
     length, d = x_LxD.shape
     k_dim = d // n_heads
     q, k, v = (
         (x_LxD @ p[name]).reshape(length, n_heads, k_dim) for name in ("w_q", "w_k", "w_v"))
+    if "q_norm" in p:  # qk-norm: RMSNorm over each head's vector
+        q = rms_norm(q, p["q_norm"]["scale"], eps)
+        k = rms_norm(k, p["k_norm"]["scale"], eps)
     if positions == "rope":
         q, k = rope(q, rope_base), rope(k, rope_base)
     out = np.zeros((length, n_heads, k_dim))
@@ -45,29 +48,56 @@ def swiglu(x_LxD: np.ndarray, p: dict) -> np.ndarray:
 
 def layer_params(params: dict, layer: int) -> dict:
     """Slice layer ``layer`` out of the scanned ``[L, ...]`` parameter stack, as float64."""
-    stack = params["layers"]
-    return {group: {k: np.asarray(v[layer], np.float64) for k, v in stack[group].items()}
-            for group in stack}
+
+    def take(tree):
+        if isinstance(tree, dict):
+            return {k: take(v) for k, v in tree.items()}
+        return np.asarray(tree[layer], np.float64)
+
+    return take(params["layers"])
 
 
 def forward(params: dict, tokens_L: np.ndarray, *, n_layers: int, n_heads: int, norm: str,
-            positions: str, eps: float, rope_base: float, tie: bool) -> np.ndarray:
-    """Logits ``[L, V]`` of one sequence."""
+            positions: str, eps: float, rope_base: float, tie: bool,
+            mixln_post_layers: int = 0) -> np.ndarray:
+    """Logits ``[L, V]`` of one sequence, under the arrangement ``norm`` written out here rule by
+    rule (Mix-LN: the first ``mixln_post_layers`` layers Post, the rest Pre)."""
     emb = np.asarray(params["embedding"], np.float64)
     x = emb[tokens_L]
     if positions == "learned":
         x = x + np.asarray(params["pos_embedding"], np.float64)[: len(tokens_L)]
+    if norm == "periln":
+        x = rms_norm(x, np.asarray(params["embedding_norm"]["scale"], np.float64), eps)
+    alpha = (2.0 * n_layers) ** 0.25
     for layer in range(n_layers):
         p = layer_params(params, layer)
-        for name, fn in (("attn", lambda z, p=p: attention(z, p["attn"], n_heads, positions,
-                                                             rope_base)),
-                         ("ffn", lambda z, p=p: swiglu(z, p["ffn"]))):
-            scale = p[f"norm_{name}"]["scale"]
-            if norm == "post":
-                x = rms_norm(x + fn(x), scale, eps)
+        layer_input = x
+
+        def attn(z, p=p):
+            return attention(z, p["attn"], n_heads, positions, rope_base, eps)
+
+        def ffn(z, p=p):
+            return swiglu(z, p["ffn"])
+
+        def n(name, z, p=p):
+            return rms_norm(z, p[name]["scale"], eps)
+
+        if norm == "b2t":
+            h = n("norm_attn", x + attn(x))
+            x = n("norm_ffn", layer_input + h + ffn(h))
+            continue
+        for name, fn in (("attn", attn), ("ffn", ffn)):
+            if norm == "post" or (norm == "mixln" and layer < mixln_post_layers):
+                x = n(f"norm_{name}", x + fn(x))
+            elif norm == "deepnorm":
+                x = n(f"norm_{name}", alpha * x + fn(x))
+            elif norm in ("pre", "mixln"):
+                x = x + fn(n(f"norm_{name}" + ("_in" if norm == "mixln" else ""), x))
+            elif norm in ("sandwich", "periln"):
+                x = x + n(f"norm_{name}_out", fn(n(f"norm_{name}", x)))
             else:
-                x = x + fn(rms_norm(x, scale, eps))
-    if norm == "pre":
+                raise ValueError(norm)
+    if norm in ("pre", "sandwich", "periln") or (norm == "mixln" and mixln_post_layers < n_layers):
         x = rms_norm(x, np.asarray(params["final_norm"]["scale"], np.float64), eps)
     if tie:
         return x @ emb.T / np.sqrt(emb.shape[1])

@@ -20,11 +20,15 @@ TINY = dict(vocab_size=50, max_len=12, n_layers=3, d_model=16, n_heads=4, d_ff=2
 def params_by_hand(spec: ModelSpec) -> dict[str, int]:
     """The parameter groups of the architecture, counted from its definition."""
     d, f = spec.d_model, spec.d_ff
+    norms_per_layer = 4 if spec.norm in ("mixln", "sandwich", "periln") else 2
+    qk = 2 * (d // spec.n_heads) if spec.qk_norm else 0
     counts = {"embedding": spec.vocab_size * d,
-              "layers": spec.n_layers * (4 * d * d + 3 * d * f + 2 * d)}
+              "layers": spec.n_layers * (4 * d * d + 3 * d * f + norms_per_layer * d + qk)}
     if spec.positions == "learned":
         counts["pos_embedding"] = spec.max_len * d
-    if spec.norm == "pre":
+    if spec.norm == "periln":
+        counts["embedding_norm"] = d
+    if spec.norm in ("pre", "mixln", "sandwich", "periln"):
         counts["final_norm"] = d
     if not spec.tie_embeddings:
         counts["lm_head"] = d * spec.vocab_size
@@ -36,11 +40,13 @@ def init_params(spec: ModelSpec, seed: int = 0):
     return nn.unbox(jax.jit(Decoder(spec).init)(jax.random.key(seed), tokens)["params"])
 
 
-@pytest.mark.parametrize("norm", ["post", "pre"])
+@pytest.mark.parametrize("norm,qk_norm", [("post", False), ("pre", False), ("deepnorm", True),
+                                          ("mixln", False), ("sandwich", True), ("periln", False),
+                                          ("b2t", False)])
 @pytest.mark.parametrize("positions", ["rope", "learned", "none"])
 @pytest.mark.parametrize("tie", [False, True])
-def test_shapes_and_param_count(norm, positions, tie):
-    spec = ModelSpec(**TINY, norm=norm, positions=positions, tie_embeddings=tie)
+def test_shapes_and_param_count(norm, qk_norm, positions, tie):
+    spec = ModelSpec(**TINY, norm=norm, positions=positions, tie_embeddings=tie, qk_norm=qk_norm)
     params = init_params(spec)
     counted = param_counts(spec)
     assert counted["total"] == sum(x.size for x in jax.tree.leaves(params))

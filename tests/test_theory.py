@@ -15,9 +15,11 @@ from postnorm.analysis import monte_carlo
 from postnorm.model import PLACEMENTS, Decoder, ModelSpec
 from postnorm.model.initializers import embedding_init
 from postnorm.model.layers import CausalSelfAttention, RMSNorm, SwiGLU
+from postnorm.model.placements import init_gains
 from postnorm.theory import INIT_SCHEMES
 
 Z = 4.0  # tolerance in Monte Carlo standard errors
+GRAM = {"post": theory.POST_GRAM, "pre": theory.PRE_GRAM}  # the theorems' two arrangements
 
 
 def assert_within(estimate: monte_carlo.MCEstimate, expected: float, z: float = Z,
@@ -60,11 +62,11 @@ def test_gram_steps_on_an_ec_gram_reproduce_the_one_step_closed_forms(n):
     for t in (1.0 / n, 0.2, 0.9):
         rho = theory.ec_rho(t, n)
         g_NxN = (1 - rho) * np.eye(n) + rho
-        after_ffn = theory.mean_field_ffn_step(g_NxN, amt.xi, kernel, PLACEMENTS["pre"].gram)
+        after_ffn = theory.mean_field_ffn_step(g_NxN, amt.xi, kernel, theory.PRE_GRAM)
         np.testing.assert_allclose(theory.tsim_of_gram(after_ffn) - t,
                                    theory.delta_ffn(amt.xi, t, n, amt.a), rtol=1e-6, atol=1e-9)
-        for norm in PLACEMENTS:
-            trace = theory.mean_field_recursion(g_NxN, 1, amt, PLACEMENTS[norm].gram)
+        for norm in GRAM:
+            trace = theory.mean_field_recursion(g_NxN, 1, amt, GRAM[norm])
             np.testing.assert_allclose(trace.tsim_in, t)
             np.testing.assert_allclose(trace.energy_attn, amt.s * theory.attn_f2(t, n))
             np.testing.assert_allclose(trace.delta_attn, theory.delta_attn(amt.s, t, n),
@@ -80,8 +82,8 @@ def test_pre_norm_closure_starts_from_the_inputs_energy(r0):
     amt = theory.amounts(64, 192, "torch_default")
     rho = theory.ec_rho(t, n)
     g_NxN = r0 * ((1 - rho) * np.eye(n) + rho)
-    closure = theory.scalar_recursion(t, n, 1, amt, PLACEMENTS["pre"].gram, r0=r0)
-    mean_field = theory.mean_field_recursion(g_NxN, 1, amt, PLACEMENTS["pre"].gram)
+    closure = theory.scalar_recursion(t, n, 1, amt, theory.PRE_GRAM, r0=r0)
+    mean_field = theory.mean_field_recursion(g_NxN, 1, amt, theory.PRE_GRAM)
     want = t + theory.delta_attn(amt.s / r0, t, n)
     np.testing.assert_allclose(closure[0, 0], want, rtol=1e-10)
     np.testing.assert_allclose(mean_field.tsim_after[0, 0], want, rtol=1e-9)
@@ -126,7 +128,7 @@ def test_scalar_recursion_is_the_iterated_ec_gram_algebra(norm, init, r0):
         g = numpy_ec_gram(t, n, r) + amt.xi * c * theory.gate_kernel(c, amt.a)
         t, r = numpy_tsim(g), (np.trace(g) / n if norm == "pre" else 1.0)
         want.append([after_attn, t])
-    got = theory.scalar_recursion(0.2, n, layers, amt, PLACEMENTS[norm].gram, r0=r0)
+    got = theory.scalar_recursion(0.2, n, layers, amt, GRAM[norm], r0=r0)
     np.testing.assert_allclose(got, want, rtol=1e-9)
 
 
@@ -145,7 +147,7 @@ def test_mean_field_layer_on_a_general_gram_against_numpy(norm):
     g1 = numpy_corr(g1) if norm == "post" else g1
     c = numpy_corr(g1)
     g2 = g1 + amt.xi * c * theory.gate_kernel(c, amt.a)
-    trace = theory.mean_field_recursion(g0, 1, amt, PLACEMENTS[norm].gram)
+    trace = theory.mean_field_recursion(g0, 1, amt, GRAM[norm])
     np.testing.assert_allclose(trace.energy_attn, [energy], rtol=1e-12)
     np.testing.assert_allclose(trace.delta_attn, [delta], rtol=1e-10)
     np.testing.assert_allclose(trace.tsim_after, [[numpy_tsim(g1), numpy_tsim(g2)]], rtol=1e-7)
@@ -442,15 +444,22 @@ def test_attention_modes_split_softmax_attention_into_uniform_and_centered():
 @pytest.mark.parametrize("norm,init,mode,n_layers", [
     ("post", "torch_default", "softmax", 24),
     ("pre", "torch_default", "uniform", 24),
+    ("deepnorm", "torch_default", "uniform", 24),
+    ("sandwich", "torch_default", "uniform", 24),
+    ("b2t", "torch_default", "uniform", 24),
+    ("mixln", "torch_default", "uniform", 24),
     pytest.param("post", "xavier", "uniform", 12, marks=pytest.mark.slow),
+    pytest.param("deepnorm", "xavier", "softmax", 12, marks=pytest.mark.slow),
 ])
 def test_mean_field_tracks_a_simulated_stack(norm, init, mode, n_layers):
-    """tsim after every sublayer, mean over seeds, within 15% (the recursion assumes uniform
-    attention, which softmax approximates at torch_default's query-key scale)."""
+    """tsim after every sublayer, mean over seeds, within 15%, for every arrangement the
+    recursion models (its Gram maps and init gains: ``postnorm.model.placements``); the
+    recursion assumes uniform attention, which softmax approximates at these query-key scales."""
     n, d, seeds = 64, 128, 16
     spec = ModelSpec(vocab_size=2, max_len=n, n_layers=n_layers, d_model=d, n_heads=4,
                      d_ff=3 * d, norm=norm, positions="none", init=init)
-    amt = theory.amounts(d, 3 * d, init)
+    amt = theory.amounts(d, 3 * d, init).with_gains(init_gains(spec))
+    maps = PLACEMENTS[norm].gram_maps(spec)
     run = monte_carlo.stack_statistics(spec, mode)
     measured, predicted = [], []
     for seed in range(seeds):
@@ -460,6 +469,5 @@ def test_mean_field_tracks_a_simulated_stack(norm, init, mode, n_layers):
         after_ffn = np.append(np.asarray(stats["tsim_attn"][1:]), float(stats["tsim_final"]))
         measured.append(np.stack([np.asarray(stats["tsim_ffn"]), after_ffn], 1))
         x = np.asarray(x_1xNxD[0], np.float64)
-        gram = PLACEMENTS[norm].gram
-        predicted.append(theory.mean_field_recursion(x @ x.T / d, n_layers, amt, gram).tsim_after)
+        predicted.append(theory.mean_field_recursion(x @ x.T / d, n_layers, amt, maps).tsim_after)
     np.testing.assert_allclose(np.mean(measured, 0), np.mean(predicted, 0), rtol=0.15)

@@ -27,7 +27,7 @@ import numpy as np
 from postnorm import theory
 from postnorm.diagnostics.stats import tsim as batch_tsim
 from postnorm.diagnostics.taps import zero_probes
-from postnorm.model import Block, ModelSpec
+from postnorm.model import PLACEMENTS, Block, ModelSpec
 from postnorm.model.layers import CausalSelfAttention, RMSNorm, SwiGLU
 from postnorm.theory import kernel_variance
 
@@ -194,7 +194,9 @@ class LayerStack(nn.Module):
                  probes_Lx2xS: jax.Array | None) -> tuple[jax.Array, dict | None]:
         stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
                         length=self.spec.n_layers, metadata_params={nn.PARTITION_NAME: "layers"})
-        return stack(self.spec, name="layers")(x_BxLxD, probes_Lx2xS)
+        profile = PLACEMENTS[self.spec.norm].post_mix(self.spec)
+        post_mix_Lx2 = None if profile is None else jnp.asarray(profile)
+        return stack(self.spec, name="layers")(x_BxLxD, probes_Lx2xS, post_mix_Lx2)
 
 
 @functools.lru_cache(maxsize=8)

@@ -19,6 +19,14 @@ RESUMABLE_FIELDS = ("train.log_every", "train.eval_every", "train.ckpt_every",
                     "train.rollback_lr_factor", "data.data_dir", "model.remat",
                     "model.scan_unroll", "model.attention", "model.attention_block", "mesh.*")
 
+# Fields added with a default that computes what runs recorded before them computed: a record
+# without one of them matches a config that keeps its default. (Other fields absent from a
+# record are changes: their default then may not be what the run used.)
+DEFAULTS_KEEP_EARLIER_RUNS = ("model.qk_norm", "model.mixln_post_fraction",
+                              "model.b2t_rescaled_init", "model.init_tsim_target",
+                              "model.init_tsim_input", "model.residual_budget",
+                              "model.residual_budget_c", "model.residual_budget_weight")
+
 # Sections an evaluation of a checkpoint must share with the run that trained it, and the
 # fields of them it may still choose.
 EVAL_SECTIONS = ("model", "data")

@@ -24,7 +24,23 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.d_model = 64
     c.model.n_heads = 4
     c.model.d_ff = 192
-    c.model.norm = "post"  # a residual/norm arrangement of postnorm.model.placements
+    # a residual/norm arrangement of postnorm.model.placements: post | pre | deepnorm | mixln |
+    # sandwich | periln | b2t (docs/METHODS.md)
+    c.model.norm = "post"
+    c.model.mixln_post_fraction = 0.25  # mixln: the first ceil(fraction * n_layers) are Post
+    c.model.b2t_rescaled_init = False  # b2t: every layer matrix drawn x n_layers^(-1/2)
+    c.model.qk_norm = False  # RMSNorm on each head's q and k before the logits
+    # similarity-aware init: W_O's gain solved so that the mean-field recursion keeps tsim after
+    # every layer at init <= this target, for inputs of token similarity init_tsim_input
+    # (postnorm.model.similarity_init); 0 disables
+    c.model.init_tsim_target = 0.0
+    c.model.init_tsim_input = 0.05
+    # residual-norm budgeting: keep the RMSNorm contraction c >= residual_budget_c at every
+    # sublayer, by an in-graph branch scale (scale) or a hinge penalty on the objective (penalty,
+    # weighted by residual_budget_weight); none disables
+    c.model.residual_budget = "none"
+    c.model.residual_budget_c = 0.9
+    c.model.residual_budget_weight = 1.0
     c.model.positions = "rope"  # rope | learned | none
     c.model.init = "torch_default"  # torch_default | normal_0.02 | lecun_normal | xavier
     c.model.tie_embeddings = False

@@ -22,8 +22,9 @@ import jax.numpy as jnp
 
 ERANK_SEQUENCES = 4  # sequences per batch whose effective rank is averaged
 STATS_SCOPE = "diag_stats"
-# The per-layer parameter groups whose norms the diagnostic step reports: {group: modules}.
-PARAM_GROUPS = {"attn": ("attn",), "ffn": ("ffn",), "norm": ("norm_attn", "norm_ffn")}
+# The per-layer parameter groups whose norms the diagnostic step reports: {group: the prefix
+# of its modules' names} (every norm of a layer: norm_attn, norm_ffn and an arrangement's others).
+PARAM_GROUPS = {"attn": "attn", "ffn": "ffn", "norm": "norm_"}
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -134,10 +135,10 @@ def sublayer_stats(x_BxLxD: jax.Array, branch_BxLxD: jax.Array, y_BxLxD: jax.Arr
 def layer_norms(layer_params: dict) -> dict[str, jax.Array]:
     """||.|| per layer of the attention, FFN and norm-gain parameters: {group: [n_layers]}."""
 
-    def group_norm(names: tuple[str, ...]) -> jax.Array:
-        leaves = jax.tree.leaves([layer_params[name] for name in names])
+    def group_norm(prefix: str) -> jax.Array:
+        leaves = jax.tree.leaves([v for k, v in layer_params.items() if k.startswith(prefix)])
         squares = [jnp.sum(jnp.square(x.astype(jnp.float32)), axis=tuple(range(1, x.ndim)))
                    for x in leaves]
         return jnp.sqrt(sum(squares))
 
-    return {group: group_norm(names) for group, names in PARAM_GROUPS.items()}
+    return {group: group_norm(prefix) for group, prefix in PARAM_GROUPS.items()}

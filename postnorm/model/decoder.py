@@ -1,6 +1,7 @@
 """Decoder-only Transformer: embedding, ``nn.scan`` over ``Block``s, final norm if any, LM head."""
 
 import dataclasses
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -10,8 +11,16 @@ from postnorm.diagnostics.stats import sublayer_stats, tsim
 from postnorm.diagnostics.taps import tap
 from postnorm.kernels.causal_attention import KERNEL_RESIDUALS
 from postnorm.model.initializers import embedding_init
-from postnorm.model.layers import CausalSelfAttention, RMSNorm, SwiGLU, dense_kernel, token_matmul
-from postnorm.model.placements import PLACEMENTS
+from postnorm.model.layers import (
+    BUDGET_COLLECTION,
+    CausalSelfAttention,
+    ResidualNorm,
+    RMSNorm,
+    SwiGLU,
+    dense_kernel,
+    token_matmul,
+)
+from postnorm.model.placements import PLACEMENTS, SublayerIn, init_gains
 from postnorm.model.spec import DTYPES, ModelSpec
 
 SUBLAYERS = ("attn", "ffn")
@@ -26,10 +35,40 @@ REMAT_POLICIES = {
 }
 
 
-class Block(nn.Module):
-    """One layer: an attention sublayer then an FFN sublayer, each with a residual and a norm.
+class SublayerNorms:
+    """The ``placements.Norms`` of one sublayer inside ``Block``: each norm is created on first
+    use, named ``norm_<kind><suffix>``; without a residual budget, the residual sum's norm is a
+    plain RMSNorm of skip + F."""
 
-    With ``probes_2xS`` (diagnostic mode) each sublayer input X_k is tapped
+    def __init__(self, kind: str, eps: float, budget: str, budget_c: float):
+        self.kind, self.eps, self.budget, self.budget_c = kind, eps, budget, budget_c
+        self.created: dict[str, nn.Module] = {}
+
+    def __call__(self, suffix: str) -> RMSNorm:
+        if suffix not in self.created:
+            self.created[suffix] = RMSNorm(self.eps, name=f"norm_{self.kind}{suffix}")
+        return self.created[suffix]
+
+    def residual(self, suffix: str) -> Callable[[jax.Array, jax.Array],
+                                                tuple[jax.Array, jax.Array]]:
+        if self.budget == "none":
+            def plain(skip_BxLxD: jax.Array, branch_BxLxD: jax.Array
+                      ) -> tuple[jax.Array, jax.Array]:
+                y_BxLxD = skip_BxLxD + branch_BxLxD
+                return self(suffix)(y_BxLxD), y_BxLxD
+            return plain
+        if suffix not in self.created:
+            self.created[suffix] = ResidualNorm(self.eps, self.budget, self.budget_c,
+                                                name=f"norm_{self.kind}{suffix}")
+        return self.created[suffix]
+
+
+class Block(nn.Module):
+    """One layer: an attention sublayer then an FFN sublayer, combined with their residuals and
+    norms as the arrangement ``spec.norm`` says (``postnorm.model.placements``).
+
+    ``post_mix_2`` is lambda for the two sublayers where the arrangement mixes Post and Pre
+    (else None). With ``probes_2xS`` (diagnostic mode) each sublayer input X_k is tapped
     (``postnorm.diagnostics.taps``) and the layer also returns its forward statistics;
     otherwise it returns ``None``.
     """
@@ -37,16 +76,20 @@ class Block(nn.Module):
     spec: ModelSpec
 
     @nn.compact
-    def __call__(self, x_BxLxD: jax.Array,
-                 probes_2xS: jax.Array | None) -> tuple[jax.Array, dict | None]:
+    def __call__(self, x_BxLxD: jax.Array, probes_2xS: jax.Array | None,
+                 post_mix_2: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
         s = self.spec
         dtype = DTYPES[s.dtype]
         diag = probes_2xS is not None
         arrangement = PLACEMENTS[s.norm]
+        if s.residual_budget != "none" and not arrangement.budgetable:
+            raise ValueError(f"model.norm={s.norm!r} takes no residual budget")
+        gains = tuple(sorted(init_gains(s).items()))
         attn = CausalSelfAttention(s.n_heads, s.init, s.positions, s.rope_base, dtype,
                                    kernel=s.attention, block=s.attention_block,
-                                   collect_stats=diag, name="attn")
-        ffn = SwiGLU(s.d_ff, s.init, dtype, name="ffn")
+                                   collect_stats=diag, gains=gains, qk_norm=s.qk_norm,
+                                   norm_eps=s.norm_eps, name="attn")
+        ffn = SwiGLU(s.d_ff, s.init, dtype, gains=gains, name="ffn")
         stats = {}
 
         def attend(h_BxLxD: jax.Array) -> jax.Array:
@@ -56,13 +99,17 @@ class Block(nn.Module):
             stats.update(attn_stats)
             return out_BxLxD
 
-        for index, (kind, branch_fn) in enumerate(zip(SUBLAYERS, (attend, ffn), strict=True)):
-            norm = RMSNorm(s.norm_eps, name=f"norm_{kind}")
+        layer_input_BxLxD = x_BxLxD
+        for index, (kind, branch_fn, sublayer) in enumerate(
+                zip(SUBLAYERS, (attend, ffn), arrangement.sublayers, strict=True)):
+            norms = SublayerNorms(kind, s.norm_eps, s.residual_budget, s.residual_budget_c)
             if diag:
                 x_BxLxD = tap(x_BxLxD, probes_2xS[index])
-            sub = arrangement.sublayer(x_BxLxD, branch_fn, norm)
+            ctx = SublayerIn(layer_input_BxLxD, s.n_layers,
+                             None if post_mix_2 is None else post_mix_2[index])
+            sub = sublayer(x_BxLxD, branch_fn, norms, ctx)
             if diag:
-                scale_D = norm.variables["params"]["scale"]
+                scale_D = norms.created[sub.norm_suffix].variables["params"]["scale"]
                 for key, value in sublayer_stats(x_BxLxD, sub.branch, sub.norm_input, scale_D,
                                                  s.norm_eps).items():
                     stats[f"{key}_{kind}"] = value
@@ -83,11 +130,17 @@ class Decoder(nn.Module):
     spec: ModelSpec
 
     @nn.compact
-    def __call__(self, tokens_BxL: jax.Array,
-                 probes: dict[str, jax.Array] | None = None) -> jax.Array | tuple[jax.Array, dict]:
+    def __call__(self, tokens_BxL: jax.Array, probes: dict[str, jax.Array] | None = None,
+                 post_mix_Lx2: jax.Array | None = None) -> jax.Array | tuple[jax.Array, dict]:
         """Logits ``[B, L, V]``; with ``probes`` (``taps.zero_probes``) also the per-layer
-        forward statistics, each stacked ``[n_layers]``."""
+        forward statistics, each stacked ``[n_layers]``. ``post_mix_Lx2`` overrides the
+        arrangement's lambda profile (an arrangement that mixes Post and Pre only)."""
         s = self.spec
+        arrangement = PLACEMENTS[s.norm]
+        if post_mix_Lx2 is None and arrangement.post_mix(s) is not None:
+            post_mix_Lx2 = jnp.asarray(arrangement.post_mix(s))
+        elif post_mix_Lx2 is not None and arrangement.post_mix(s) is None:
+            raise ValueError(f"model.norm={s.norm!r} does not mix Post and Pre: no lambda profile")
         embedding_VxD = self.param(
             "embedding", nn.with_logical_partitioning(embedding_init(s.init), ("vocab", "embed")),
             (s.vocab_size, s.d_model), jnp.float32)
@@ -98,18 +151,26 @@ class Decoder(nn.Module):
                 nn.with_logical_partitioning(embedding_init(s.init), ("length", "embed")),
                 (s.max_len, s.d_model), jnp.float32)
             x_BxLxD = x_BxLxD + pos_LxD[: tokens_BxL.shape[1]]
+        if arrangement.embedding_norm:
+            x_BxLxD = RMSNorm(s.norm_eps, name="embedding_norm")(x_BxLxD)
         x_BxLxD = x_BxLxD.astype(DTYPES[s.dtype])
 
-        stack = nn.scan(layer_class(s), variable_axes={"params": 0}, split_rngs={"params": True},
+        stack = nn.scan(layer_class(s), variable_axes={"params": 0, BUDGET_COLLECTION: 0},
+                        split_rngs={"params": True},
                         length=s.n_layers, unroll=s.scan_unroll,
                         metadata_params={nn.PARTITION_NAME: "layers"})
         layer_probes = None if probes is None else probes["layers"]
-        x_BxLxD, stats = stack(s, name="layers")(x_BxLxD, layer_probes)
+        x_BxLxD, stats = stack(s, name="layers")(x_BxLxD, layer_probes, post_mix_Lx2)
         if probes is not None:  # the residual stream leaving the last layer
             x_BxLxD = tap(x_BxLxD, probes["final"])
             stats["tsim_final"] = tsim(x_BxLxD)
-        if PLACEMENTS[s.norm].final_norm:
-            x_BxLxD = RMSNorm(s.norm_eps, name="final_norm")(x_BxLxD)
+        if arrangement.final_norm:
+            z_BxLxD = RMSNorm(s.norm_eps, name="final_norm")(x_BxLxD)
+            if post_mix_Lx2 is None:
+                x_BxLxD = z_BxLxD
+            else:  # phased in as the last sublayer's Post share falls
+                lam = post_mix_Lx2[-1, 1].astype(x_BxLxD.dtype)
+                x_BxLxD = lam * x_BxLxD + (1 - lam) * z_BxLxD
         logits_BxLxV = self.logits(x_BxLxD, embedding_VxD)
         return logits_BxLxV if probes is None else (logits_BxLxV, stats)
 

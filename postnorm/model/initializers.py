@@ -35,17 +35,21 @@ def _torch_default(key: jax.Array, shape: tuple[int, ...], dtype=jnp.float32) ->
     return jax.random.uniform(key, shape, dtype, -bound, bound)
 
 
-def kernel_init(scheme: str) -> Initializer:
-    """Initializer for a ``[fan_in, fan_out]`` matrix under ``scheme``."""
+def kernel_init(scheme: str, gain: float = 1.0) -> Initializer:
+    """Initializer for a ``[fan_in, fan_out]`` matrix under ``scheme``, times ``gain``."""
     if scheme == "torch_default":
-        return _torch_default
-    if scheme == "normal_0.02":
-        return jax.nn.initializers.normal(0.02)
-    if scheme == "lecun_normal":
-        return jax.nn.initializers.lecun_normal()
-    if scheme == "xavier":
-        return jax.nn.initializers.xavier_uniform()
-    raise ValueError(f"model.init={scheme!r} is not one of {INIT_SCHEMES}")
+        base = _torch_default
+    elif scheme == "normal_0.02":
+        base = jax.nn.initializers.normal(0.02)
+    elif scheme == "lecun_normal":
+        base = jax.nn.initializers.lecun_normal()
+    elif scheme == "xavier":
+        base = jax.nn.initializers.xavier_uniform()
+    else:
+        raise ValueError(f"model.init={scheme!r} is not one of {INIT_SCHEMES}")
+    if gain == 1.0:
+        return base
+    return lambda key, shape, dtype=jnp.float32: base(key, shape, dtype) * jnp.asarray(gain, dtype)
 
 
 def embedding_init(scheme: str) -> Initializer:

@@ -22,11 +22,15 @@ def token_matmul(x_BxLxD: jax.Array, w_DxF: jax.Array) -> jax.Array:
     return (x_BxLxD.reshape(-1, d) @ w_DxF).reshape(*lead, w_DxF.shape[-1])
 
 
+Gains = tuple[tuple[str, float], ...]  # (parameter name, init gain) pairs; 1 where absent
+
+
 def dense_kernel(module: nn.Module, name: str, shape: tuple[int, int], axes: tuple[str, str],
-                 init: str) -> jax.Array:
-    """A ``[fan_in, fan_out]`` float32 kernel with logical partitioning."""
-    return module.param(name, nn.with_logical_partitioning(kernel_init(init), axes), shape,
-                        jnp.float32)
+                 init: str, gains: Gains = ()) -> jax.Array:
+    """A ``[fan_in, fan_out]`` float32 kernel with logical partitioning, drawn under ``init``
+    and multiplied by its gain in ``gains``."""
+    return module.param(name, nn.with_logical_partitioning(kernel_init(init, dict(gains).get(
+        name, 1.0)), axes), shape, jnp.float32)
 
 
 class RMSNorm(nn.Module):
@@ -42,6 +46,72 @@ class RMSNorm(nn.Module):
         y32 = y_BxLxD.astype(jnp.float32)
         inv_rms = jax.lax.rsqrt(jnp.mean(y32 * y32, axis=-1, keepdims=True) + self.eps)
         return (y32 * inv_rms * scale_D).astype(y_BxLxD.dtype)
+
+
+BUDGET_MODES = ("none", "scale", "penalty")
+BUDGET_COLLECTION = "budget"  # the sown hinge penalties (model.residual_budget=penalty)
+
+
+def budget_branch_scale(skip_BxLxD: jax.Array, branch_BxLxD: jax.Array,
+                        limit_sq: jax.Array) -> jax.Array:
+    """Per token, the largest beta in [0, 1] with ||skip + beta F||^2 <= limit_sq: [B, L, 1].
+
+    The larger root of ||F||^2 b^2 + 2 (skip . F) b + ||skip||^2 - limit_sq, clipped to [0, 1];
+    0 where the skip alone is over the limit.
+    """
+    skip = skip_BxLxD.astype(jnp.float32)
+    branch = branch_BxLxD.astype(jnp.float32)
+    f_sq = jnp.sum(branch * branch, axis=-1, keepdims=True)
+    cross = jnp.sum(skip * branch, axis=-1, keepdims=True)
+    room = limit_sq - jnp.sum(skip * skip, axis=-1, keepdims=True)
+    fits = f_sq + 2 * cross <= room  # beta = 1 already keeps the sum within the limit
+    solve = ~fits & (room > 0)  # then the root lies in (0, 1), and f_sq > 0
+    # where no root is taken its inputs are replaced by harmless ones, so that the unused branch
+    # of the where puts no inf or NaN into the gradient
+    f_sq = jnp.where(solve, f_sq, 1.0)
+    cross = jnp.where(solve, cross, 0.0)
+    room = jnp.where(solve, room, 1.0)
+    disc = jnp.sqrt(cross * cross + f_sq * room)
+    # the two forms of the root, each free of cancellation on its side of cross = 0
+    root = jnp.where(cross >= 0, room / (cross + disc), (disc - cross) / f_sq)
+    return jnp.where(fits, 1.0, jnp.where(solve, jnp.clip(root, 0.0, 1.0), 0.0))
+
+
+class ResidualNorm(nn.Module):
+    """The norm of a residual sum, N(skip + F), with a budget on the sum's size.
+
+    Its parameter is RMSNorm's (``scale``), so it is an RMSNorm wherever it stands. The budget
+    keeps the contraction the diagnostics report, c = rms(scale) / sqrt(||y||^2 / d + eps), at
+    or above ``budget_c``, i.e. ||y||^2 / d + eps <= rms(scale)^2 / budget_c^2: ``scale``
+    multiplies F per token by the largest beta in [0, 1] that meets it (in the graph,
+    differentiated through), ``penalty`` sows the hinge
+    mean(max(0, (||y||^2 / d + eps) / rms(scale)^2 - 1 / budget_c^2)) into ``BUDGET_COLLECTION``
+    for the objective. Returns the norm's output and y.
+    """
+
+    eps: float
+    budget: str = "none"
+    budget_c: float = 0.9
+
+    @nn.compact
+    def __call__(self, skip_BxLxD: jax.Array, branch_BxLxD: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
+        d = skip_BxLxD.shape[-1]
+        scale_D = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                             (d,), jnp.float32)
+        gain_sq = jnp.mean(scale_D * scale_D)
+        if self.budget == "scale":
+            beta = budget_branch_scale(skip_BxLxD, branch_BxLxD,
+                                       d * (gain_sq / self.budget_c**2 - self.eps))
+            branch_BxLxD = branch_BxLxD * beta.astype(branch_BxLxD.dtype)
+        y_BxLxD = skip_BxLxD + branch_BxLxD
+        y32 = y_BxLxD.astype(jnp.float32)
+        mean_sq = jnp.mean(y32 * y32, axis=-1, keepdims=True)
+        if self.budget == "penalty":
+            excess = (mean_sq + self.eps) / gain_sq - 1.0 / self.budget_c**2
+            self.sow(BUDGET_COLLECTION, "hinge", jnp.mean(jnp.maximum(excess, 0.0)))
+        out = (y32 * jax.lax.rsqrt(mean_sq + self.eps) * scale_D).astype(y_BxLxD.dtype)
+        return out, y_BxLxD
 
 
 def rotary_embedding(x_BxLxHxK: jax.Array, base: float) -> jax.Array:
@@ -103,7 +173,11 @@ def blocked_causal_attention(q_BxLxHxK: jax.Array, k_BxLxHxK: jax.Array, v_BxLxH
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal softmax attention with separate W_Q, W_K, W_V, W_O and no biases."""
+    """Multi-head causal softmax attention with separate W_Q, W_K, W_V, W_O and no biases.
+
+    With ``qk_norm``, q and k pass an RMSNorm over each head's vector (a [head_dim] gain shared
+    by the heads, ``q_norm`` and ``k_norm``) before the rotary embedding.
+    """
 
     n_heads: int
     init_scheme: str
@@ -113,6 +187,9 @@ class CausalSelfAttention(nn.Module):
     kernel: str = "einsum"
     block: int = 128
     collect_stats: bool = False
+    gains: Gains = ()
+    qk_norm: bool = False
+    norm_eps: float = 1e-6
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array | tuple[jax.Array, dict]:
@@ -122,11 +199,15 @@ class CausalSelfAttention(nn.Module):
         x = x_BxLxD.astype(self.dtype)
 
         def project(name: str) -> jax.Array:
-            w_DxD = dense_kernel(self, name, (d, d), ("embed", "heads"), self.init_scheme)
+            w_DxD = dense_kernel(self, name, (d, d), ("embed", "heads"), self.init_scheme,
+                                 self.gains)
             return token_matmul(x, w_DxD.astype(self.dtype)).reshape(batch, length, self.n_heads,
                                                                       head_dim)
 
         q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = project("w_q"), project("w_k"), project("w_v")
+        if self.qk_norm:
+            q_BxLxHxK = RMSNorm(self.norm_eps, name="q_norm")(q_BxLxHxK)
+            k_BxLxHxK = RMSNorm(self.norm_eps, name="k_norm")(k_BxLxHxK)
         if self.positions == "rope":
             q_BxLxHxK = rotary_embedding(q_BxLxHxK, self.rope_base)
             k_BxLxHxK = rotary_embedding(k_BxLxHxK, self.rope_base)
@@ -146,7 +227,8 @@ class CausalSelfAttention(nn.Module):
                 out_BxLxHxK = jax.nn.dot_product_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK,
                                                            is_causal=True,
                                                            implementation=self.kernel)
-        w_o_DxD = dense_kernel(self, "w_o", (d, d), ("heads", "embed"), self.init_scheme)
+        w_o_DxD = dense_kernel(self, "w_o", (d, d), ("heads", "embed"), self.init_scheme,
+                               self.gains)
         out_BxLxD = token_matmul(out_BxLxHxK.reshape(batch, length, d), w_o_DxD.astype(self.dtype))
         if self.collect_stats:
             return out_BxLxD, mean_attention_stats(row_stats)
@@ -162,14 +244,17 @@ class SwiGLU(nn.Module):
     d_ff: int
     init_scheme: str
     dtype: jnp.dtype
+    gains: Gains = ()
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         d = x_BxLxD.shape[-1]
         x = x_BxLxD.astype(self.dtype)
-        w_gate = dense_kernel(self, "w_gate", (d, self.d_ff), ("embed", "mlp"), self.init_scheme)
-        w_up = dense_kernel(self, "w_up", (d, self.d_ff), ("embed", "mlp"), self.init_scheme)
-        w_down = dense_kernel(self, "w_down", (self.d_ff, d), ("mlp", "embed"), self.init_scheme)
+        w_gate, w_up, w_down = (
+            dense_kernel(self, name, shape, axes, self.init_scheme, self.gains)
+            for name, shape, axes in (("w_gate", (d, self.d_ff), ("embed", "mlp")),
+                                      ("w_up", (d, self.d_ff), ("embed", "mlp")),
+                                      ("w_down", (self.d_ff, d), ("mlp", "embed"))))
         w_gate_up = jnp.concatenate([w_gate, w_up], axis=1).astype(self.dtype)
         gate_BxLxF, up_BxLxF = jnp.split(token_matmul(x, w_gate_up), 2, axis=-1)
         hidden_BxLxF = nn.silu(gate_BxLxF) * up_BxLxF

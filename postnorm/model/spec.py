@@ -34,11 +34,20 @@ class ModelSpec:
     attention_block: int = 128
     remat: str = "none"
     scan_unroll: int = 1
+    qk_norm: bool = False
+    mixln_post_fraction: float = 0.25
+    b2t_rescaled_init: bool = False
+    residual_budget: str = "none"
+    residual_budget_c: float = 0.9
+    # W_O's init gain, solved by the similarity-aware init (postnorm.model.similarity_init)
+    # when model.init_tsim_target is set; not a config field
+    attn_out_gain: float = 1.0
 
     @classmethod
     def from_config(cls, model_cfg: ml_collections.ConfigDict | dict, *, vocab_size: int,
                     max_len: int) -> "ModelSpec":
-        fields = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "max_len"}
+        fields = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "max_len",
+                                                               "attn_out_gain"}
         values = {k: model_cfg[k] for k in fields if k in model_cfg}
         if values.get("attention") == "auto":
             raise ValueError("model.attention='auto' names no kernel: resolve it first "

@@ -27,6 +27,7 @@ from postnorm.theory.recursions import (
     POST_GRAM,
     PRE_GRAM,
     GramMaps,
+    LayerMaps,
     MeanFieldTrace,
     attn_branch_gram,
     correlation,
@@ -34,15 +35,16 @@ from postnorm.theory.recursions import (
     mean_field_ffn_step,
     mean_field_recursion,
     prefix_average,
+    scalar_closure_covers,
     scalar_recursion,
 )
 
 __all__ = [
-    "INIT_SCHEMES", "POST_GRAM", "PRE_GRAM", "S_READINGS", "Amounts", "GramMaps",
+    "INIT_SCHEMES", "POST_GRAM", "PRE_GRAM", "S_READINGS", "Amounts", "GramMaps", "LayerMaps",
     "MeanFieldTrace", "amounts", "amounts_from_config", "attn_branch_gram", "attn_f1", "attn_f2",
     "collapse_distance", "collapse_loss_bound", "correlation", "delta_attn", "delta_ffn",
     "ec_rho", "ffn_branch_gram", "frequency_loss", "gate_kernel", "gate_kernel_table",
     "harmonic", "kernel_variance", "mean_field_ffn_step", "mean_field_recursion",
-    "prefix_average", "rmsnorm_contraction", "scalar_recursion", "tsim", "tsim_of_gram",
-    "unigram_entropy",
+    "prefix_average", "rmsnorm_contraction", "scalar_closure_covers", "scalar_recursion",
+    "tsim", "tsim_of_gram", "unigram_entropy",
 ]

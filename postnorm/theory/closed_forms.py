@@ -186,6 +186,14 @@ class Amounts:
         """xi m(1): the FFN branch-to-skip energy ratio E||FFN(x)||^2 / ||x||^2."""
         return float(self.xi * gate_kernel(1.0, self.a))
 
+    def with_gains(self, gains: dict[str, float]) -> "Amounts":
+        """The amounts after multiplying weight matrices by ``gains`` (by parameter name, 1 where
+        absent): s scales with g_v^2 g_o^2, xi with g_up^2 g_down^2 and a with g_gate."""
+        g = {name: float(gains.get(name, 1.0)) for name in
+             ("w_v", "w_o", "w_gate", "w_up", "w_down")}
+        return Amounts(s=self.s * (g["w_v"] * g["w_o"]) ** 2,
+                       xi=self.xi * (g["w_up"] * g["w_down"]) ** 2, a=self.a * g["w_gate"])
+
 
 def amounts(d_model: int, d_ff: int, init: str, s_reading: str = "vo") -> Amounts:
     """s, xi and a of a model with width ``d_model``, FFN width ``d_ff`` and init scheme ``init``.

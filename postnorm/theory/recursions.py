@@ -33,30 +33,56 @@ def correlation(g_NxN: np.ndarray) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class GramMaps:
-    """One arrangement's action on the expected Gram G of the residual stream.
+    """One sublayer's action on the expected Gram G of the residual stream (units of d).
 
-    branch_input: G -> the Gram of what the attention branch reads. (The FFN branch reads rows
-      of RMS 1 in every arrangement so far, a norm's output or a normalised stream, so its Gram
-      is corr(G): ``ffn_branch_gram``. An arrangement whose FFN reads otherwise extends this.)
-    combine: (G, B) -> the Gram after the sublayer, where B = E[F F^T] is the branch's Gram.
-    normalized_stream: the stream leaving every sublayer has RMS 1 (its energy R stays 1 in
-      the scalar closure); otherwise R grows by the branch energy and the branch's amount is
-      divided by it.
+    reads_normalized: the branch reads N(X), Gram corr(G) (a norm before it), else X itself.
+      (The FFN branch reads rows of RMS 1 in every arrangement here, a norm's output or a
+      stream a norm left normalised, so its Gram is corr(G) either way: ``ffn_branch_gram``.)
+    output_normalized: the branch's output passes a norm (sandwich, Peri-LN): B -> corr(B).
+    skip_gain: alpha of the skip path, y = alpha X + F (DeepNorm); 1 otherwise.
+    normalized_stream: a norm follows the sum, so the stream leaves with Gram corr(y's Gram)
+      and RMS 1 (its energy R stays 1 in the scalar closure); otherwise R grows by the branch
+      energy and the branch's amount is divided by it.
+    layer_skip: the layer's input is added to the sum as well (B2T's FFN sublayer:
+      y = X_layer + h + F(h) with h the attention sublayer's output).
     """
 
-    branch_input: Callable[[Gram], Gram]
-    combine: Callable[[Gram, Gram], Gram]
+    reads_normalized: bool
     normalized_stream: bool
+    output_normalized: bool = False
+    skip_gain: float = 1.0
+    layer_skip: bool = False
+
+    def branch_input(self, g_NxN: Gram) -> Gram:
+        """The Gram the sublayer's branch reads."""
+        return correlation(g_NxN) if self.reads_normalized else g_NxN
+
+    def branch_output(self, b_NxN: Gram) -> Gram:
+        """The branch's Gram after its output norm, if any."""
+        return correlation(b_NxN) if self.output_normalized else b_NxN
+
+    def combine(self, g_NxN: Gram, b_NxN: Gram) -> Gram:
+        """The Gram after the sublayer, from its input's G and the branch's Gram B (without a
+        layer skip)."""
+        y = self.skip_gain**2 * g_NxN + b_NxN
+        return correlation(y) if self.normalized_stream else y
 
 
-POST_GRAM = GramMaps(branch_input=lambda g: g, combine=lambda g, b: correlation(g + b),
-                     normalized_stream=True)
-PRE_GRAM = GramMaps(branch_input=correlation, combine=lambda g, b: g + b,
-                    normalized_stream=False)
+POST_GRAM = GramMaps(reads_normalized=False, normalized_stream=True)
+PRE_GRAM = GramMaps(reads_normalized=True, normalized_stream=False)
+LayerMaps = tuple[GramMaps, GramMaps]  # the attention and the FFN sublayer of one layer
 
 
-def scalar_recursion(t0: float, n: int, n_layers: int, amt: Amounts, arrangement: GramMaps,
-                     r0: float = 1.0) -> np.ndarray:
+def _per_layer(arrangement: "GramMaps | list[LayerMaps]", n_layers: int) -> list[LayerMaps]:
+    if isinstance(arrangement, GramMaps):
+        return [(arrangement, arrangement)] * n_layers
+    if len(arrangement) != n_layers:
+        raise ValueError(f"{len(arrangement)} layers of Gram maps for {n_layers} layers")
+    return list(arrangement)
+
+
+def scalar_recursion(t0: float, n: int, n_layers: int, amt: Amounts,
+                     arrangement: "GramMaps | list[LayerMaps]", r0: float = 1.0) -> np.ndarray:
     """Iterated one-step maps under the EC closure: tsim after each sublayer, [n_layers, 2].
 
     A normalised stream (Post-Norm): t <- t + Delta_attn(s, t); t <- t + Delta_FFN(xi, t).
@@ -64,28 +90,37 @@ def scalar_recursion(t0: float, n: int, n_layers: int, amt: Amounts, arrangement
     ``r0``: s_k = s / R, R <- R (1 + s_k f2(t)), then xi_k = xi / R, R <- R (1 + xi_k m(1)).
     """
     _check_range("r0", r0, 1e-300)
+    layers = _per_layer(arrangement, n_layers)
+    if not all(scalar_closure_covers(maps) for pair in layers for maps in pair):
+        raise ValueError("the scalar closure covers Post- and Pre-Norm sublayers only (no skip "
+                         "gain, branch output norm or layer skip): use mean_field_recursion")
     m1 = float(gate_kernel(1.0, amt.a))
-    grows = not arrangement.normalized_stream
     t, r = float(t0), float(r0)
     out_Lx2 = np.empty((n_layers, 2))
-    for layer in range(n_layers):
+    for layer, (attn_maps, ffn_maps) in enumerate(layers):
         s_k = amt.s / r
         gain = s_k * attn_f2(t, n)
         t = t + delta_attn(s_k, t, n)
-        r = r * (1.0 + gain) if grows else r
+        r = r if attn_maps.normalized_stream else r * (1.0 + gain)
         out_Lx2[layer, 0] = t
         xi_k = amt.xi / r
         t = t + delta_ffn(xi_k, t, n, amt.a)
-        r = r * (1.0 + xi_k * m1) if grows else r
+        r = r if ffn_maps.normalized_stream else r * (1.0 + xi_k * m1)
         out_Lx2[layer, 1] = t
     return out_Lx2
 
 
-def attn_branch_gram(g_NxN: np.ndarray, s: float, arrangement: GramMaps) -> np.ndarray:
+def scalar_closure_covers(maps: GramMaps) -> bool:
+    """Whether ``scalar_recursion`` models a sublayer: a plain Post- or Pre-Norm one."""
+    return (maps.skip_gain == 1.0 and not maps.output_normalized and not maps.layer_skip
+            and maps.reads_normalized != maps.normalized_stream)
+
+
+def attn_branch_gram(g_NxN: np.ndarray, s: float, maps: GramMaps) -> np.ndarray:
     """E over W_V, W_O of the attention branch's Gram with uniform attention P (Thm 3.2's Gram
-    algebra): s P G_in P^T, with G_in the Gram the arrangement's branch reads (G for Post-Norm,
-    corr(G) for Pre-Norm)."""
-    return s * prefix_average(prefix_average(arrangement.branch_input(g_NxN)).T)
+    algebra): s P G_in P^T, with G_in the Gram the branch reads (G, or corr(G) behind a norm),
+    then through the branch's output norm if any."""
+    return maps.branch_output(s * prefix_average(prefix_average(maps.branch_input(g_NxN)).T))
 
 
 def ffn_branch_gram(g_NxN: np.ndarray, xi: float,
@@ -99,10 +134,26 @@ def ffn_branch_gram(g_NxN: np.ndarray, xi: float,
 
 
 def mean_field_ffn_step(g_NxN: np.ndarray, xi: float, kernel: Callable[[np.ndarray], np.ndarray],
-                        arrangement: GramMaps) -> np.ndarray:
-    """E over the FFN weights of the Gram after the FFN sublayer (Thm 3.4's G + xi C o m(C)):
-    corr(G + xi C o m(C)) with C = corr(G) for Post-Norm, G + xi C o m(C) for Pre-Norm."""
-    return arrangement.combine(g_NxN, ffn_branch_gram(g_NxN, xi, kernel))
+                        maps: GramMaps) -> np.ndarray:
+    """E over the FFN weights of the Gram after a FFN sublayer without a layer skip (Thm 3.4's
+    G + xi C o m(C)): corr(G + xi C o m(C)) with C = corr(G) for Post-Norm, G + xi C o m(C) for
+    Pre-Norm."""
+    return maps.combine(g_NxN, maps.branch_output(ffn_branch_gram(g_NxN, xi, kernel)))
+
+
+def layer_skip_ffn_step(g_in_NxN: np.ndarray, branch_attn_NxN: np.ndarray, g_h_NxN: np.ndarray,
+                        b_ffn_NxN: np.ndarray, maps: GramMaps) -> np.ndarray:
+    """The Gram of y = X + h + F(h) (B2T's FFN sublayer), through its norm if any.
+
+    X is the layer's input (Gram G = ``g_in``), h = N(X + A) the attention sublayer's output
+    (Gram ``g_h``; G + ``branch_attn`` is the Gram of X + A) and F the FFN branch (Gram
+    ``b_ffn``). Over the zero-mean W_O and FFN weights, E[X A^T] = 0 and F is uncorrelated with
+    X and h, so the cross term is E[X h^T]_ij = G_ij / r_j with r_j^2 = (G + B)_jj.
+    """
+    r_N = np.sqrt(np.diag(g_in_NxN + branch_attn_NxN))
+    cross_NxN = g_in_NxN / r_N[None, :]
+    y = g_in_NxN + g_h_NxN + cross_NxN + cross_NxN.T + b_ffn_NxN
+    return correlation(y) if maps.normalized_stream else y
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,24 +175,38 @@ class MeanFieldTrace:
 
 
 def mean_field_recursion(g0_NxN: np.ndarray, n_layers: int, amt: Amounts,
-                         arrangement: GramMaps) -> MeanFieldTrace:
+                         arrangement: "GramMaps | list[LayerMaps]",
+                         stop_above: float | None = None) -> MeanFieldTrace:
     """The mean-field Gram recursion (docs/MATH.md §3) from the input Gram ``g0_NxN`` (units of d).
 
     Propagates the full expected Gram with uniform causal attention, exact per-row RMSNorm and
-    the FFN kernel applied elementwise, without the EC closure.
+    the FFN kernel applied elementwise, without the EC closure. ``arrangement`` is one
+    ``GramMaps`` for every sublayer, or one (attention, FFN) pair per layer
+    (``postnorm.model.placements``' ``gram_maps``). With ``stop_above``, the recursion stops
+    after the first layer whose tsim exceeds it (the trace then has fewer rows).
     """
     kernel = gate_kernel_table(amt.a)
     g = np.asarray(g0_NxN, np.float64)
     rows = []
-    for _ in range(n_layers):
+    for attn_maps, ffn_maps in _per_layer(arrangement, n_layers):
+        g_layer_in = g
         t_in = tsim_of_gram(g)
-        branch = attn_branch_gram(g, amt.s, arrangement)
+        branch = attn_branch_gram(g, amt.s, attn_maps)
         energy = np.trace(branch) / np.trace(g)
         delta = tsim_of_gram(g + branch) - t_in
-        g = arrangement.combine(g, branch)
+        g = attn_maps.combine(g, branch)
         t_attn = tsim_of_gram(g)
-        g = mean_field_ffn_step(g, amt.xi, kernel, arrangement)
+        if ffn_maps.layer_skip:
+            if not attn_maps.normalized_stream or ffn_maps.skip_gain != 1.0:
+                raise ValueError("a layer skip is modelled behind a normalised attention "
+                                 "sublayer and without a skip gain")
+            b_ffn = ffn_maps.branch_output(ffn_branch_gram(g, amt.xi, kernel))
+            g = layer_skip_ffn_step(g_layer_in, branch, g, b_ffn, ffn_maps)
+        else:
+            g = mean_field_ffn_step(g, amt.xi, kernel, ffn_maps)
         rows.append((t_attn, tsim_of_gram(g), t_in, energy, delta))
+        if stop_above is not None and max(rows[-1][:2]) > stop_above:
+            break
     out = np.array(rows)
     return MeanFieldTrace(tsim_after=out[:, :2], tsim_in=out[:, 2], energy_attn=out[:, 3],
                           delta_attn=out[:, 4])

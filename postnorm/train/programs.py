@@ -17,6 +17,7 @@ from postnorm.config.schema import ConfigError
 from postnorm.model import Decoder, ModelSpec, param_counts
 from postnorm.model.attention_choice import AUTO, choose_attention, unrunnable
 from postnorm.model.layers import ATTENTION_KERNELS
+from postnorm.model.similarity_init import with_similarity_init
 from postnorm.runtime.mesh import batch_sharding, make_mesh, mesh_shape, tree_shardings
 from postnorm.runtime.multihost import from_process_0, stop_together
 from postnorm.runtime.xla_options import XlaOptions, compiler_options
@@ -85,8 +86,8 @@ def compile_steps(spec: ModelSpec, tx: optax.GradientTransformation, schedule: o
                                          halt=halt_on_nonfinite)),
                  in_shardings=(shardings, batch_shardings),
                  out_shardings=(shardings, replicated, replicated), donate_argnums=0),
-        evaluate=jit(functools.partial(eval_step, loss=loss),
-                     in_shardings=(shardings, batch_shardings), out_shardings=replicated),
+        evaluate=jit(eval_step, in_shardings=(shardings, batch_shardings),
+                     out_shardings=replicated),
     )
 
 
@@ -156,8 +157,13 @@ def build_programs(config: ml_collections.ConfigDict, vocab_size: int, *,
     if xla_options is None:
         xla_options = compiler_options(config.runtime.xla_options)
     config = resolve_attention(config, recorded_attention, xla_options)
-    spec = ModelSpec.from_config(config.model, vocab_size=vocab_size,
-                                 max_len=config.data.seq_len)
+    spec = with_similarity_init(
+        ModelSpec.from_config(config.model, vocab_size=vocab_size, max_len=config.data.seq_len),
+        config.model.init_tsim_target, config.model.init_tsim_input)
+    if config.model.init_tsim_target:
+        logging.info("similarity-aware init: W_O gain %.4f (the mean-field recursion's tsim "
+                     "<= model.init_tsim_target=%g from input tsim %g)", spec.attn_out_gain,
+                     config.model.init_tsim_target, config.model.init_tsim_input)
     logging.info("parameters: %s", ", ".join(f"{k}={v:,}" for k, v in param_counts(spec).items()))
     mesh = make_mesh(config.mesh)
     logging.info("mesh: %s", ", ".join(f"{axis}={size}" for axis, size in mesh.shape.items()))

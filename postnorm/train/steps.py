@@ -10,7 +10,8 @@ from flax.training.train_state import TrainState
 
 from postnorm.diagnostics.stats import in_stats_scope, layer_norms
 from postnorm.diagnostics.taps import TAP_NORM_NAMES, zero_probes
-from postnorm.train.losses import Loss
+from postnorm.model.layers import BUDGET_COLLECTION
+from postnorm.train.losses import Loss, cross_entropy
 
 Batch = dict[str, jax.Array]
 DiagStep = Callable[[TrainState, Batch],
@@ -28,8 +29,9 @@ def train_step(state: TrainState, batch: Batch, schedule: optax.Schedule,
     """One optimizer step on ``loss`` over ``batch``."""
 
     def objective_fn(params):
-        logits = state.apply_fn({"params": params}, batch["inputs"])
-        return loss(logits, batch["targets"])[0]
+        logits, sown = state.apply_fn({"params": params}, batch["inputs"],
+                                      mutable=[BUDGET_COLLECTION])
+        return loss(logits, batch["targets"], sown)[0]
 
     objective, grads = jax.value_and_grad(objective_fn)(state.params)
     return state.apply_gradients(grads=grads), _step_metrics(objective, grads, state, schedule)
@@ -42,8 +44,9 @@ def diag_step(state: TrainState, batch: Batch, schedule: optax.Schedule, loss: L
     n_layers = jax.tree.leaves(state.params["layers"])[0].shape[0]
 
     def objective_fn(params, probes):
-        logits, forward = state.apply_fn({"params": params}, batch["inputs"], probes=probes)
-        return loss(logits, batch["targets"])[0], forward
+        (logits, forward), sown = state.apply_fn({"params": params}, batch["inputs"],
+                                                 probes=probes, mutable=[BUDGET_COLLECTION])
+        return loss(logits, batch["targets"], sown)[0], forward
 
     (objective, forward), (grads, probe_grads) = jax.value_and_grad(
         objective_fn, argnums=(0, 1), has_aux=True)(state.params, zero_probes(n_layers))
@@ -52,10 +55,11 @@ def diag_step(state: TrainState, batch: Batch, schedule: optax.Schedule, loss: L
             gather_diagnostics(forward, probe_grads, state, grads))
 
 
-def eval_step(state: TrainState, batch: Batch, loss: Loss) -> jax.Array:
-    """Mean cross-entropy of ``batch`` under the current parameters."""
+def eval_step(state: TrainState, batch: Batch) -> jax.Array:
+    """Mean cross-entropy of ``batch`` under the current parameters (an evaluation reads the
+    cross-entropy alone, whatever else the objective adds)."""
     logits = state.apply_fn({"params": state.params}, batch["inputs"])
-    return loss(logits, batch["targets"])[1]["ce"]
+    return cross_entropy(logits, batch["targets"])
 
 
 def with_update_norms(step_fn: DiagStep) -> DiagStep:

@@ -15,7 +15,7 @@ from postnorm.data import check_data_config
 from postnorm.kernels.build import register_attention_kernels
 from postnorm.model import DTYPES, PLACEMENTS, POSITION_SCHEMES, REMAT_POLICIES
 from postnorm.model.attention_choice import ALTERNATIVES, AUTO, backend_refusal, config_refusal
-from postnorm.model.layers import ATTENTION_KERNELS
+from postnorm.model.layers import ATTENTION_KERNELS, BUDGET_MODES
 from postnorm.runtime.allocator import ALLOCATORS
 from postnorm.runtime.mesh import mesh_shape
 from postnorm.runtime.xla_options import XlaOptionsError, parse_xla_options
@@ -74,6 +74,36 @@ def check_model(config: ml_collections.ConfigDict) -> None:
     _require(config, "model.tie_embeddings", lambda v: isinstance(v, bool), "true or false")
     _require(config, "model.norm_eps", lambda v: _is_num(v) and 0 <= v < 1, "in [0, 1)")
     _require(config, "model.rope_base", lambda v: _is_num(v) and v > 1, "a number > 1")
+    _require(config, "model.qk_norm", lambda v: isinstance(v, bool), "true or false")
+    _require(config, "model.mixln_post_fraction", lambda v: _is_num(v) and 0 <= v <= 1,
+             "in [0, 1]")
+    _require(config, "model.b2t_rescaled_init", lambda v: isinstance(v, bool), "true or false")
+    if config.model.b2t_rescaled_init and config.model.norm != "b2t":
+        raise ConfigError(f"model.b2t_rescaled_init=True is an option of model.norm='b2t', not "
+                          f"of {config.model.norm!r}: set it False or model.norm='b2t'")
+    _require(config, "model.init_tsim_target", lambda v: _is_num(v) and 0 <= v < 1,
+             "in [0, 1) (0 disables the similarity-aware init)")
+    _require(config, "model.init_tsim_input", lambda v: _is_num(v) and 0 <= v < 1, "in [0, 1)")
+    _one_of(config, "model.residual_budget", BUDGET_MODES)
+    _require(config, "model.residual_budget_c", lambda v: _is_num(v) and 0 < v <= 1, "in (0, 1]")
+    _require(config, "model.residual_budget_weight", lambda v: _is_num(v) and v >= 0,
+             "a number >= 0")
+    budget, norm = config.model.residual_budget, config.model.norm
+    if budget != "none" and not PLACEMENTS[norm].budgetable:
+        raise ConfigError(f"model.residual_budget={budget!r} bounds the contraction c of the norm "
+                          "on each residual sum X + F by scaling F, which model.norm="
+                          f"{norm!r} does not allow (postnorm.model.placements, budgetable): set "
+                          "it to 'none' or use "
+                          + ", ".join(k for k, v in PLACEMENTS.items() if v.budgetable))
+    target, t_input = config.model.init_tsim_target, config.model.init_tsim_input
+    if target and PLACEMENTS[config.model.norm].branch_output_norm:
+        raise ConfigError(f"model.init_tsim_target={target} sets a gain on W_O, which "
+                          f"model.norm={config.model.norm!r} undoes with the norm on each "
+                          "branch's output: set it to 0 for this arrangement")
+    if target and target <= t_input:
+        raise ConfigError(f"model.init_tsim_target={target} is not above the input's token "
+                          f"similarity model.init_tsim_input={t_input}: no attention gain keeps "
+                          "tsim under it; raise the target or lower init_tsim_input")
     d, heads = config.model.d_model, config.model.n_heads
     if d % heads:
         raise ConfigError(f"model.d_model={d} is not divisible by model.n_heads={heads}")

@@ -5,6 +5,7 @@ import json
 import ml_collections
 
 from postnorm.config.identity import (
+    DEFAULTS_KEEP_EARLIER_RUNS,
     EVAL_FREE_FIELDS,
     EVAL_SECTIONS,
     RESUMABLE_FIELDS,
@@ -13,7 +14,7 @@ from postnorm.config.identity import (
     flatten_fields,
     matches,
 )
-from postnorm.config.schema import SECTIONS
+from postnorm.config.schema import SECTIONS, base_config
 from postnorm.files import write_json_atomic
 from postnorm.workdir.layout import Workdir, WorkdirError, latest_checkpoint_step
 
@@ -84,6 +85,15 @@ def _checkpointed_run_config(workdir: str) -> dict | None:
     return recorded
 
 
+def _changed(recorded: dict, config: ml_collections.ConfigDict) -> list[str]:
+    """``changed_fields``, except a field of ``DEFAULTS_KEEP_EARLIER_RUNS`` that the record
+    lacks and ``config`` keeps at its default: the run computed what that default computes."""
+    old, new = flatten_fields(recorded), flatten_fields(config_data(config))
+    default = flatten_fields(config_data(base_config()))
+    return [k for k in changed_fields(recorded, config)
+            if k in old or k not in DEFAULTS_KEEP_EARLIER_RUNS or new.get(k) != default[k]]
+
+
 def check_run_config(workdir: str, config: ml_collections.ConfigDict) -> None:
     """Raise ``WorkdirConfigError`` when ``workdir`` holds a checkpoint of a run whose config
     differs from ``config`` outside ``RESUMABLE_FIELDS`` (the message names the fields), or a
@@ -91,7 +101,7 @@ def check_run_config(workdir: str, config: ml_collections.ConfigDict) -> None:
     recorded = _checkpointed_run_config(workdir)
     if recorded is None:
         return
-    refused = [k for k in changed_fields(recorded, config)
+    refused = [k for k in _changed(recorded, config)
                if not matches(k, RESUMABLE_FIELDS)]
     if refused:
         raise _refusal(workdir, recorded, config, refused,
@@ -107,7 +117,7 @@ def check_eval_config(workdir: str, config: ml_collections.ConfigDict) -> None:
     recorded = _checkpointed_run_config(workdir)
     if recorded is None:
         return
-    refused = [k for k in changed_fields(recorded, config)
+    refused = [k for k in _changed(recorded, config)
                if k.split(".")[0] in EVAL_SECTIONS and not matches(k, EVAL_FREE_FIELDS)]
     if refused:
         raise _refusal(workdir, recorded, config, refused,
