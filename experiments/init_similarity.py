@@ -61,6 +61,7 @@ from postnorm.model.placements import init_gains
 from postnorm.model.similarity_init import with_similarity_init
 from postnorm.runtime.allocator import use_allocator
 from postnorm.theory import INIT_SCHEMES
+from postnorm.train.validate import check_model
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -421,10 +422,13 @@ def main(argv: list[str]) -> None:
         raise app.UsageError("--out_dir is required")
     norms = choice_list("norms", FLAGS.norms, tuple(PLACEMENTS))
     inputs = choice_list("inputs", FLAGS.inputs, INPUTS)
-    make_output_dir(FLAGS.out_dir, "--out_dir")  # before the computing, not after it
-    start = time.perf_counter()
     config = build_config(FLAGS.n_layers, FLAGS.seq_len, FLAGS.init, FLAGS.init_tsim_target,
                           FLAGS.init_tsim_input)
+    for norm in norms:  # every arrangement's model fields, before anything is computed
+        config.model.norm = norm
+        check_model(config)
+    make_output_dir(FLAGS.out_dir, "--out_dir")  # before the computing, not after it
+    start = time.perf_counter()
     use_allocator(config.runtime.allocator)  # may re-execute this command
     results, figures, amt, gains = run(config, seeds=FLAGS.seeds, norms=norms,
                                 inputs=inputs, ablation=FLAGS.ablation,

@@ -156,6 +156,11 @@ def test_attention_core_check_fails_on_a_wrong_gradient():
      "--norms=post,post: give one or more values, each once"),
     ("experiments.collapse", ["--out_dir=/dev/null/x", "--steps=2"], 2,
      "postnorm: error: --out_dir='/dev/null/x' cannot be created or written"),
+    ("experiments.leaderboard", ["--out_dir=/nonexistent/lb"], 2,
+     "postnorm: error: /nonexistent/lb/summary.json cannot be read"),
+    ("experiments.init_similarity", ["--out_dir=/tmp/unused", "--norms=sandwich",
+                                     "--init_tsim_target=0.5"], 2,
+     "model.norm='sandwich' undoes with the norm on each branch"),
 ])
 def test_bad_input_is_one_line_before_compiling(module, args, code, message):
     result = run_module(module, *args)
