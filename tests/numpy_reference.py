@@ -59,9 +59,10 @@ def layer_params(params: dict, layer: int) -> dict:
 
 def forward(params: dict, tokens_L: np.ndarray, *, n_layers: int, n_heads: int, norm: str,
             positions: str, eps: float, rope_base: float, tie: bool,
-            mixln_post_layers: int = 0) -> np.ndarray:
+            mixln_post_layers: int = 0, post_mix: np.ndarray | None = None) -> np.ndarray:
     """Logits ``[L, V]`` of one sequence, under the arrangement ``norm`` written out here rule by
-    rule (Mix-LN: the first ``mixln_post_layers`` layers Post, the rest Pre)."""
+    rule (Mix-LN: the first ``mixln_post_layers`` layers Post, the rest Pre; adaptive: lambda
+    ``post_mix`` [n_layers, 2])."""
     emb = np.asarray(params["embedding"], np.float64)
     x = emb[tokens_L]
     if positions == "learned":
@@ -86,8 +87,12 @@ def forward(params: dict, tokens_L: np.ndarray, *, n_layers: int, n_heads: int, 
             h = n("norm_attn", x + attn(x))
             x = n("norm_ffn", layer_input + h + ffn(h))
             continue
-        for name, fn in (("attn", attn), ("ffn", ffn)):
-            if norm == "post" or (norm == "mixln" and layer < mixln_post_layers):
+        for sub, (name, fn) in enumerate((("attn", attn), ("ffn", ffn))):
+            if norm == "adaptive":
+                lam = post_mix[layer, sub]
+                y = x + fn(lam * x + (1 - lam) * n(f"norm_{name}_in", x))
+                x = lam * n(f"norm_{name}", y) + (1 - lam) * y
+            elif norm == "post" or (norm == "mixln" and layer < mixln_post_layers):
                 x = n(f"norm_{name}", x + fn(x))
             elif norm == "deepnorm":
                 x = n(f"norm_{name}", alpha * x + fn(x))
@@ -99,6 +104,10 @@ def forward(params: dict, tokens_L: np.ndarray, *, n_layers: int, n_heads: int, 
                 raise ValueError(norm)
     if norm in ("pre", "sandwich", "periln") or (norm == "mixln" and mixln_post_layers < n_layers):
         x = rms_norm(x, np.asarray(params["final_norm"]["scale"], np.float64), eps)
+    if norm == "adaptive":
+        lam = post_mix[-1, 1]
+        x = lam * x + (1 - lam) * rms_norm(x, np.asarray(params["final_norm"]["scale"],
+                                                         np.float64), eps)
     if tie:
         return x @ emb.T / np.sqrt(emb.shape[1])
     return x @ np.asarray(params["lm_head"], np.float64)

@@ -38,12 +38,13 @@ def assert_matches_numpy(spec: ModelSpec, seed: int = 3) -> None:
     tokens = np.random.default_rng(seed).integers(0, spec.vocab_size, size=(2, spec.max_len))
     logits = np.asarray(Decoder(spec).apply({"params": params}, jnp.asarray(tokens)))
     post_layers = mixln_post_layers(spec) if spec.norm == "mixln" else 0
+    profile = PLACEMENTS[spec.norm].post_mix(spec)
     for b in range(2):
         expected = ref.forward(jax.tree.map(np.asarray, params), tokens[b],
                                n_layers=spec.n_layers, n_heads=spec.n_heads, norm=spec.norm,
                                positions=spec.positions, eps=spec.norm_eps,
                                rope_base=spec.rope_base, tie=spec.tie_embeddings,
-                               mixln_post_layers=post_layers)
+                               mixln_post_layers=post_layers, post_mix=profile)
         np.testing.assert_allclose(logits[b], expected, rtol=1e-4, atol=1e-4)
 
 
@@ -133,10 +134,11 @@ def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
-def resume_matches(corpus, tmp_path, **model) -> None:
-    """Steps 5..8 resumed from the step-4 checkpoint equal the uninterrupted run's, bit for bit."""
+def resume_matches(corpus, tmp_path, **fields) -> None:
+    """Steps 5..8 resumed from the step-4 checkpoint equal the uninterrupted run's, bit for bit
+    (``fields``: model fields, or ``section__field`` for others)."""
     from postnorm.train.loop import train_and_evaluate
-    overrides = {f"model__{k}": v for k, v in model.items()}
+    overrides = {(k if "__" in k else f"model__{k}"): v for k, v in fields.items()}
     config = tiny_config(corpus, tmp_path / "tfds", train__steps=8, train__ckpt_every=4,
                          diag__every=3, **overrides)
     full, resumed = tmp_path / "full", tmp_path / "resumed"
@@ -161,6 +163,7 @@ def resume_matches(corpus, tmp_path, **model) -> None:
     dict(norm="post", residual_budget="penalty", residual_budget_c=0.95),
     pytest.param(dict(norm="post", residual_budget="scale"), marks=pytest.mark.slow),
     pytest.param(dict(norm="post", init_tsim_target=0.3), marks=pytest.mark.slow),
+    dict(norm="adaptive", train__placement_c_min=0.99, train__placement_rate_down=0.3),
 ], ids=lambda m: "-".join(f"{v}" for v in m.values()))
 def test_a_method_resumes_bitwise(corpus, tmp_path, model):
     resume_matches(corpus, tmp_path, **model)

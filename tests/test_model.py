@@ -20,7 +20,7 @@ TINY = dict(vocab_size=50, max_len=12, n_layers=3, d_model=16, n_heads=4, d_ff=2
 def params_by_hand(spec: ModelSpec) -> dict[str, int]:
     """The parameter groups of the architecture, counted from its definition."""
     d, f = spec.d_model, spec.d_ff
-    norms_per_layer = 4 if spec.norm in ("mixln", "sandwich", "periln") else 2
+    norms_per_layer = 4 if spec.norm in ("mixln", "sandwich", "periln", "adaptive") else 2
     qk = 2 * (d // spec.n_heads) if spec.qk_norm else 0
     counts = {"embedding": spec.vocab_size * d,
               "layers": spec.n_layers * (4 * d * d + 3 * d * f + norms_per_layer * d + qk)}
@@ -28,7 +28,7 @@ def params_by_hand(spec: ModelSpec) -> dict[str, int]:
         counts["pos_embedding"] = spec.max_len * d
     if spec.norm == "periln":
         counts["embedding_norm"] = d
-    if spec.norm in ("pre", "mixln", "sandwich", "periln"):
+    if spec.norm in ("pre", "mixln", "sandwich", "periln", "adaptive"):
         counts["final_norm"] = d
     if not spec.tie_embeddings:
         counts["lm_head"] = d * spec.vocab_size
@@ -42,7 +42,7 @@ def init_params(spec: ModelSpec, seed: int = 0):
 
 @pytest.mark.parametrize("norm,qk_norm", [("post", False), ("pre", False), ("deepnorm", True),
                                           ("mixln", False), ("sandwich", True), ("periln", False),
-                                          ("b2t", False)])
+                                          ("b2t", False), ("adaptive", True)])
 @pytest.mark.parametrize("positions", ["rope", "learned", "none"])
 @pytest.mark.parametrize("tie", [False, True])
 def test_shapes_and_param_count(norm, qk_norm, positions, tie):

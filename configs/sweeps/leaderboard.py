@@ -26,10 +26,14 @@ METHODS: dict[str, dict[str, object]] = {
     "post_similarity_init": {"model.norm": "post", "model.init_tsim_target": 0.5},
     "post_budget_scale": {"model.norm": "post", "model.residual_budget": "scale"},
     "post_budget_penalty": {"model.norm": "post", "model.residual_budget": "penalty"},
+    "adaptive": {"model.norm": "adaptive"},
+    "adaptive_fixed_half": {"model.norm": "adaptive", "model.adaptive_initial_mix": 0.5,
+                            "train.placement_controller": False},
 }
 # Every field a method sets, at its default elsewhere, so that each run id names its method.
 METHOD_FIELDS = {"model.norm": "post", "model.b2t_rescaled_init": False, "model.qk_norm": False,
-                 "model.init_tsim_target": 0.0, "model.residual_budget": "none"}
+                 "model.init_tsim_target": 0.0, "model.residual_budget": "none",
+                 "model.adaptive_initial_mix": 1.0, "train.placement_controller": True}
 LRS = (1e-3, 3e-3)
 SEEDS = (0, 1, 2)
 

@@ -25,7 +25,10 @@ RESUMABLE_FIELDS = ("train.log_every", "train.eval_every", "train.ckpt_every",
 DEFAULTS_KEEP_EARLIER_RUNS = ("model.qk_norm", "model.mixln_post_fraction",
                               "model.b2t_rescaled_init", "model.init_tsim_target",
                               "model.init_tsim_input", "model.residual_budget",
-                              "model.residual_budget_c", "model.residual_budget_weight")
+                              "model.residual_budget_c", "model.residual_budget_weight",
+                              "model.adaptive_initial_mix", "train.placement_controller",
+                              "train.placement_c_min", "train.placement_tsim_max",
+                              "train.placement_rate_down", "train.placement_rate_up")
 
 # Sections an evaluation of a checkpoint must share with the run that trained it, and the
 # fields of them it may still choose.

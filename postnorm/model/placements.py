@@ -17,6 +17,9 @@ mixln      Post for the first ceil(rho L) layers, Pre    Mix-LN (Li et al. 2024)
 sandwich   X <- X + N_out(F(N_in(X))); final norm        CogView (Ding et al. 2021)
 periln     sandwich, plus a norm on the embedding        Peri-LN (Kim et al. 2025)
 b2t        h = N(X + A(X)); X <- N(X + h + FFN(h))       B2T (Takase et al. 2023)
+adaptive   lambda N(X + F(X')) + (1 - lambda)(X + F(X')),  the paper's improvement 1 (adaptive norm
+           X' = lambda X + (1 - lambda) N_in(X); lambda    placement)
+           per sublayer is training state; final norm
 =========  ============================================  =========================================
 """
 
@@ -174,6 +177,22 @@ def _mixln_gram(spec: ModelSpec) -> list[LayerMaps]:
             for lam in _mixln_profile(spec)]
 
 
+def _adaptive_profile(spec: ModelSpec) -> np.ndarray:
+    """lambda at init: ``spec.adaptive_initial_mix`` at every sublayer (the training state
+    carries it from there: ``postnorm.train.placement_control``)."""
+    return np.full((spec.n_layers, 2), spec.adaptive_initial_mix, np.float32)
+
+
+def _adaptive_gram(spec: ModelSpec) -> list[LayerMaps]:
+    """The Gram maps at init, where lambda is 1 (Post) or 0 (Pre); the recursion does not model
+    a mixture in between."""
+    if spec.adaptive_initial_mix not in (0.0, 1.0):
+        raise ValueError(f"the mean-field recursion models lambda = 0 or 1, not "
+                         f"model.adaptive_initial_mix={spec.adaptive_initial_mix}")
+    maps = POST_GRAM if spec.adaptive_initial_mix == 1.0 else PRE_GRAM
+    return [(maps, maps)] * spec.n_layers
+
+
 def _b2t_gram(spec: ModelSpec) -> list[LayerMaps]:
     return [(POST_GRAM, dataclasses.replace(POST_GRAM, layer_skip=True))] * spec.n_layers
 
@@ -196,6 +215,8 @@ class Arrangement:
       scaling F alone (except at layer 0, whose skip is the embedding: a row over the budget
       keeps c under it there). Not DeepNorm (alpha X alone has c <= 1/alpha), B2T (its FFN's
       skip, X + h, is two normalised rows) or Mix-LN (its Pre layers have no such norm).
+    stateful_mix: lambda is training state (checkpointed, moved by a controller), not a
+      constant of the spec: the steps pass it to the model.
     """
 
     sublayers: tuple[Sublayer, Sublayer]
@@ -206,6 +227,7 @@ class Arrangement:
     post_mix: Callable[[ModelSpec], np.ndarray | None] = lambda spec: None
     branch_output_norm: bool = False
     budgetable: bool = False
+    stateful_mix: bool = False
 
 
 PLACEMENTS: dict[str, Arrangement] = {
@@ -222,6 +244,8 @@ PLACEMENTS: dict[str, Arrangement] = {
                           gram_maps=_uniform_gram(SANDWICH_GRAM), branch_output_norm=True),
     "b2t": Arrangement((b2t_attn_sublayer, b2t_ffn_sublayer), final_norm=False,
                        gram_maps=_b2t_gram, init_gains=_b2t_gains),
+    "adaptive": Arrangement((mixed_sublayer,) * 2, final_norm=True, gram_maps=_adaptive_gram,
+                            post_mix=_adaptive_profile, stateful_mix=True),
 }
 
 

@@ -36,6 +36,7 @@ class ModelSpec:
     scan_unroll: int = 1
     qk_norm: bool = False
     mixln_post_fraction: float = 0.25
+    adaptive_initial_mix: float = 1.0
     b2t_rescaled_init: bool = False
     residual_budget: str = "none"
     residual_budget_c: float = 0.9

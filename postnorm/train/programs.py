@@ -14,7 +14,7 @@ from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from postnorm.config.schema import ConfigError
-from postnorm.model import Decoder, ModelSpec, param_counts
+from postnorm.model import PLACEMENTS, Decoder, ModelSpec, param_counts
 from postnorm.model.attention_choice import AUTO, choose_attention, unrunnable
 from postnorm.model.layers import ATTENTION_KERNELS
 from postnorm.model.similarity_init import with_similarity_init
@@ -23,6 +23,7 @@ from postnorm.runtime.multihost import from_process_0, stop_together
 from postnorm.runtime.xla_options import XlaOptions, compiler_options
 from postnorm.train.losses import Loss, make_loss
 from postnorm.train.optim import make_optimizer
+from postnorm.train.placement_control import PlacementControl, placement_control
 from postnorm.train.state import GuardedState, guard
 from postnorm.train.steps import Batch, diag_step, eval_step, train_step, with_update_norms
 
@@ -41,12 +42,14 @@ class CompiledSteps:
 
 def compile_steps(spec: ModelSpec, tx: optax.GradientTransformation, schedule: optax.Schedule,
                   mesh: Mesh, loss: Loss, *, halt_on_nonfinite: bool = True,
-                  xla_options: XlaOptions | None = None) -> CompiledSteps:
+                  xla_options: XlaOptions | None = None,
+                  placement: PlacementControl | None = None) -> CompiledSteps:
     """Build the shardings of the state and jit every step against ``mesh``.
 
     ``halt_on_nonfinite``: freeze the state at the first non-finite step (policies ``abort``
     and ``rollback``) rather than only skipping that step's update (``skip``).
     ``xla_options``: XLA options for every step's compilation (``runtime.xla_options``).
+    ``placement``: the adaptive placement's controller, run by the diagnostic step.
     """
     jit = functools.partial(jax.jit, compiler_options=xla_options or None)
     model = Decoder(spec)
@@ -55,9 +58,14 @@ def compile_steps(spec: ModelSpec, tx: optax.GradientTransformation, schedule: o
     def init_params(rng: jax.Array):
         return model.init(rng, tokens_1xL)["params"]
 
+    arrangement = PLACEMENTS[spec.norm]
+    initial_mix = (jnp.asarray(arrangement.post_mix(spec)) if arrangement.stateful_mix
+                   else None)
+
     def init_state(seed: int) -> GuardedState:
         params = nn.unbox(init_params(jax.random.key(seed)))
-        return GuardedState.create_guarded(apply_fn=model.apply, params=params, tx=tx)
+        return GuardedState.create_guarded(apply_fn=model.apply, params=params, tx=tx,
+                                           post_mix=initial_mix)
 
     param_shardings = tree_shardings(mesh, jax.eval_shape(init_params, jax.random.key(0)))
     abstract = jax.eval_shape(init_state, 0)
@@ -67,7 +75,8 @@ def compile_steps(spec: ModelSpec, tx: optax.GradientTransformation, schedule: o
         transform_non_params=lambda _: replicated)
     shardings = abstract.replace(step=replicated, params=param_shardings, opt_state=opt_shardings,
                                  skipped_steps=replicated, halted_at=replicated,
-                                 lr_scale=replicated, rollbacks=replicated)
+                                 lr_scale=replicated, rollbacks=replicated,
+                                 post_mix=None if initial_mix is None else replicated)
     abstract_state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
@@ -82,7 +91,7 @@ def compile_steps(spec: ModelSpec, tx: optax.GradientTransformation, schedule: o
                   in_shardings=(shardings, batch_shardings),
                   out_shardings=(shardings, replicated), donate_argnums=0),
         diag=jit(with_update_norms(guard(functools.partial(diag_step, schedule=schedule,
-                                                           loss=loss),
+                                                           loss=loss, placement=placement),
                                          halt=halt_on_nonfinite)),
                  in_shardings=(shardings, batch_shardings),
                  out_shardings=(shardings, replicated, replicated), donate_argnums=0),
@@ -170,5 +179,5 @@ def build_programs(config: ml_collections.ConfigDict, vocab_size: int, *,
     tx, schedule = make_optimizer(config.opt, config.train.steps)
     steps = compile_steps(spec, tx, schedule, mesh, make_loss(config),
                           halt_on_nonfinite=config.train.nonfinite != "skip",
-                          xla_options=xla_options)
+                          xla_options=xla_options, placement=placement_control(config))
     return Programs(config, spec, mesh, steps, xla_options)

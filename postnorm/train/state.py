@@ -20,11 +20,15 @@ class GuardedState(TrainState):
     halted_at: jax.Array  # int32: the first non-finite loop step when halted, else 0
     lr_scale: jax.Array  # float32: multiplies every update (the learning rate)
     rollbacks: jax.Array  # int32: rollbacks done so far
+    # float32 [n_layers, 2]: each sublayer's Post-Norm share lambda where the arrangement keeps
+    # it as state (model.norm=adaptive), else None (no leaf: the checkpoint is unchanged)
+    post_mix: jax.Array | None = None
 
     @classmethod
-    def create_guarded(cls, *, apply_fn, params, tx: optax.GradientTransformation
-                       ) -> "GuardedState":
-        """A fresh state: nothing skipped, not halted, lr scale 1, no rollbacks.
+    def create_guarded(cls, *, apply_fn, params, tx: optax.GradientTransformation,
+                       post_mix: jax.Array | None = None) -> "GuardedState":
+        """A fresh state: nothing skipped, not halted, lr scale 1, no rollbacks, lambda
+        ``post_mix``.
 
         ``step`` is a strongly typed int32, like a restored one, so that a resumed run's
         steps compile to the same programs as a fresh run's.
@@ -33,7 +37,7 @@ class GuardedState(TrainState):
                            skipped_steps=jnp.zeros((), jnp.int32),
                            halted_at=jnp.zeros((), jnp.int32),
                            lr_scale=jnp.ones((), jnp.float32),
-                           rollbacks=jnp.zeros((), jnp.int32))
+                           rollbacks=jnp.zeros((), jnp.int32), post_mix=post_mix)
         return state.replace(step=jnp.zeros((), jnp.int32))
 
     def apply_gradients(self, *, grads, **kwargs) -> "GuardedState":

@@ -12,6 +12,7 @@ from postnorm.diagnostics.stats import in_stats_scope, layer_norms
 from postnorm.diagnostics.taps import TAP_NORM_NAMES, zero_probes
 from postnorm.model.layers import BUDGET_COLLECTION
 from postnorm.train.losses import Loss, cross_entropy
+from postnorm.train.placement_control import PlacementControl
 
 Batch = dict[str, jax.Array]
 DiagStep = Callable[[TrainState, Batch],
@@ -24,12 +25,18 @@ def _step_metrics(objective: jax.Array, grads, state: TrainState,
             "train/lr": schedule(state.step)}
 
 
+def _mix(state: TrainState) -> dict[str, jax.Array]:
+    """The model's lambda argument where the state carries it (``GuardedState.post_mix``)."""
+    post_mix = getattr(state, "post_mix", None)
+    return {} if post_mix is None else {"post_mix_Lx2": post_mix}
+
+
 def train_step(state: TrainState, batch: Batch, schedule: optax.Schedule,
                loss: Loss) -> tuple[TrainState, dict[str, jax.Array]]:
     """One optimizer step on ``loss`` over ``batch``."""
 
     def objective_fn(params):
-        logits, sown = state.apply_fn({"params": params}, batch["inputs"],
+        logits, sown = state.apply_fn({"params": params}, batch["inputs"], **_mix(state),
                                       mutable=[BUDGET_COLLECTION])
         return loss(logits, batch["targets"], sown)[0]
 
@@ -37,28 +44,36 @@ def train_step(state: TrainState, batch: Batch, schedule: optax.Schedule,
     return state.apply_gradients(grads=grads), _step_metrics(objective, grads, state, schedule)
 
 
-def diag_step(state: TrainState, batch: Batch, schedule: optax.Schedule, loss: Loss
+def diag_step(state: TrainState, batch: Batch, schedule: optax.Schedule, loss: Loss,
+              placement: PlacementControl | None = None
               ) -> tuple[TrainState, dict[str, jax.Array], dict[str, jax.Array]]:
     """One optimizer step, identical to ``train_step``, plus the diagnostics of this batch
-    (the update norms are added after the non-finite guard: ``with_update_norms``)."""
+    (the update norms are added after the non-finite guard: ``with_update_norms``). With
+    ``placement``, lambda then moves by this step's statistics, and is reported per layer."""
     n_layers = jax.tree.leaves(state.params["layers"])[0].shape[0]
 
     def objective_fn(params, probes):
         (logits, forward), sown = state.apply_fn({"params": params}, batch["inputs"],
-                                                 probes=probes, mutable=[BUDGET_COLLECTION])
+                                                 probes=probes, **_mix(state),
+                                                 mutable=[BUDGET_COLLECTION])
         return loss(logits, batch["targets"], sown)[0], forward
 
     (objective, forward), (grads, probe_grads) = jax.value_and_grad(
         objective_fn, argnums=(0, 1), has_aux=True)(state.params, zero_probes(n_layers))
     new_state = state.apply_gradients(grads=grads)
-    return (new_state, _step_metrics(objective, grads, state, schedule),
-            gather_diagnostics(forward, probe_grads, state, grads))
+    diagnostics = gather_diagnostics(forward, probe_grads, state, grads)
+    if getattr(state, "post_mix", None) is not None:
+        diagnostics["post_mix_attn"] = state.post_mix[:, 0]  # the lambda this step ran with
+        diagnostics["post_mix_ffn"] = state.post_mix[:, 1]
+        if placement is not None:
+            new_state = new_state.replace(post_mix=placement(state.post_mix, forward))
+    return new_state, _step_metrics(objective, grads, state, schedule), diagnostics
 
 
 def eval_step(state: TrainState, batch: Batch) -> jax.Array:
     """Mean cross-entropy of ``batch`` under the current parameters (an evaluation reads the
     cross-entropy alone, whatever else the objective adds)."""
-    logits = state.apply_fn({"params": state.params}, batch["inputs"])
+    logits = state.apply_fn({"params": state.params}, batch["inputs"], **_mix(state))
     return cross_entropy(logits, batch["targets"])
 
 

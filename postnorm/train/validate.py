@@ -78,6 +78,8 @@ def check_model(config: ml_collections.ConfigDict) -> None:
     _require(config, "model.mixln_post_fraction", lambda v: _is_num(v) and 0 <= v <= 1,
              "in [0, 1]")
     _require(config, "model.b2t_rescaled_init", lambda v: isinstance(v, bool), "true or false")
+    _require(config, "model.adaptive_initial_mix", lambda v: _is_num(v) and 0 <= v <= 1,
+             "in [0, 1]")
     if config.model.b2t_rescaled_init and config.model.norm != "b2t":
         raise ConfigError(f"model.b2t_rescaled_init=True is an option of model.norm='b2t', not "
                           f"of {config.model.norm!r}: set it False or model.norm='b2t'")
@@ -96,6 +98,11 @@ def check_model(config: ml_collections.ConfigDict) -> None:
                           "it to 'none' or use "
                           + ", ".join(k for k, v in PLACEMENTS.items() if v.budgetable))
     target, t_input = config.model.init_tsim_target, config.model.init_tsim_input
+    if (target and config.model.norm == "adaptive"
+            and config.model.adaptive_initial_mix not in (0, 1)):
+        raise ConfigError(f"model.init_tsim_target={target} solves with the mean-field "
+                          "recursion, which models lambda = 0 or 1 only: set "
+                          "model.adaptive_initial_mix to 0 or 1, or the target to 0")
     if target and PLACEMENTS[config.model.norm].branch_output_norm:
         raise ConfigError(f"model.init_tsim_target={target} sets a gain on W_O, which "
                           f"model.norm={config.model.norm!r} undoes with the norm on each "
@@ -137,6 +144,13 @@ def check_train(config: ml_collections.ConfigDict) -> None:
     _one_of(config, "train.nonfinite", NONFINITE_POLICIES)
     _require(config, "train.rollback_lr_factor", lambda v: _is_num(v) and 0 < v < 1,
              "a number in (0, 1)")
+    _require(config, "train.placement_controller", lambda v: isinstance(v, bool),
+             "true or false")
+    _require(config, "train.placement_c_min", lambda v: _is_num(v) and 0 < v <= 1, "in (0, 1]")
+    _require(config, "train.placement_tsim_max", lambda v: _is_num(v) and 0 < v <= 1,
+             "in (0, 1]")
+    for path in ("train.placement_rate_down", "train.placement_rate_up"):
+        _require(config, path, lambda v: _is_num(v) and 0 <= v <= 1, "in [0, 1]")
     # the data pipeline's shuffle seeds (seed + epoch) must fit in 32 bits
     _require(config, "seed", lambda v: _is_int(v) and 0 <= v < 2**31, "an integer in [0, 2**31)")
 
