@@ -155,7 +155,8 @@ def resume_matches(corpus, tmp_path, **fields) -> None:
 
 
 @pytest.mark.parametrize("model", [
-    dict(norm="mixln", mixln_post_fraction=0.5, qk_norm=True),
+    pytest.param(dict(norm="mixln", mixln_post_fraction=0.5, qk_norm=True),
+                 marks=pytest.mark.slow),
     pytest.param(dict(norm="deepnorm"), marks=pytest.mark.slow),
     pytest.param(dict(norm="sandwich"), marks=pytest.mark.slow),
     pytest.param(dict(norm="periln"), marks=pytest.mark.slow),
@@ -164,7 +165,8 @@ def resume_matches(corpus, tmp_path, **fields) -> None:
                  marks=pytest.mark.slow),
     pytest.param(dict(norm="post", residual_budget="scale"), marks=pytest.mark.slow),
     pytest.param(dict(norm="post", init_tsim_target=0.3), marks=pytest.mark.slow),
-    dict(norm="adaptive", train__placement_c_min=0.99, train__placement_rate_down=0.3),
+    pytest.param(dict(norm="adaptive", train__placement_c_min=0.99, train__placement_rate_down=0.3),
+                 marks=pytest.mark.slow),
 ], ids=lambda m: "-".join(f"{v}" for v in m.values()))
 def test_a_method_resumes_bitwise(corpus, tmp_path, model):
     resume_matches(corpus, tmp_path, **model)

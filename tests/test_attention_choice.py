@@ -97,6 +97,7 @@ def test_resolving_copies_the_config_and_leaves_a_named_kernel_alone(monkeypatch
         ModelSpec.from_config(get_config().model, vocab_size=2, max_len=8)
 
 
+@pytest.mark.slow
 def test_the_resolved_kernel_is_recorded_and_a_resume_keeps_it(tmp_path, monkeypatch):
     """A run started with the blocked kernel resumes on it under auto, which chooses the C++
     kernel for a fresh run here (the same numbers need the same kernel)."""
@@ -117,6 +118,7 @@ def test_the_resolved_kernel_is_recorded_and_a_resume_keeps_it(tmp_path, monkeyp
     assert fresh["model"]["attention"] == "cpu"
 
 
+@pytest.mark.slow
 def test_main_trains_on_a_machine_without_a_compiler(tmp_path):
     """The README's main command with no C++ compiler on the PATH: it trains with blocked."""
     corpus = write_corpus(tmp_path / "corpus")

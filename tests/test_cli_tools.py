@@ -30,6 +30,7 @@ def table_rows(markdown: str, heading: str) -> list[list[str]]:
     return [[c.strip() for c in line.replace("\\|", "¦").strip("|").split("|")] for line in rows]
 
 
+@pytest.mark.slow
 def test_init_similarity_outputs_agree(tmp_path):
     result = run_module("experiments.init_similarity", "--out_dir", str(tmp_path),
                         "--n_layers", "3", "--seq_len", "64", "--seeds", "2", "--norms",
@@ -60,6 +61,7 @@ def test_batch_floors_counts_the_first_logged_step(tmp_path):
     assert seed["last_logged_steps"] == [1, 10, 20]  # the trainer logs step 1 too
 
 
+@pytest.mark.slow
 def test_bench_variants_take_the_config_files_named_variants():
     result = run_module("benchmarks.bench", f"--config={TINY}", "--programs=forward",
                         "--repeats=1", "--peak_size=64", "--variant=pre",
@@ -133,12 +135,13 @@ def test_attention_core_check_fails_on_a_wrong_gradient():
      "postnorm: error: data.vocab_size=0: must be an integer in [1, "),
     ("benchmarks.bench", [f"--config={TINY}", "--variant=model.bogus=3"], 1,
      "--variant='model.bogus=3': unknown config key 'model.bogus'"),
-    ("benchmarks.bench", [f"--config={TINY}", "--variant=sandwich"], 1,
-     "--variant='sandwich': unknown config variant 'sandwich'; known: ['post', 'pre']"),
+    pytest.param("benchmarks.bench", [f"--config={TINY}", "--variant=sandwich"], 1,
+                 "--variant='sandwich': unknown config variant 'sandwich'; known: ['post', 'pre']",
+                 marks=pytest.mark.slow),
     ("benchmarks.bench", [f"--config={TINY}", "--xla_options=xla_cpu_bogus=1"], 1,
      "--xla_options='xla_cpu_bogus=1': INVALID_ARGUMENT: No such compile option: 'xla_cpu_bogus'"),
-    ("benchmarks.bench", [f"--config={TINY}", "--xla_options=fast"], 1,
-     "--xla_options='fast': 'fast' is not name=value"),
+    pytest.param("benchmarks.bench", [f"--config={TINY}", "--xla_options=fast"], 1,
+                 "--xla_options='fast': 'fast' is not name=value", marks=pytest.mark.slow),
     ("benchmarks.bench", [f"--config={TINY}", "--programs", "train", "diag"], 1,
      "unexpected arguments: ['diag']"),
     ("benchmarks.rmsnorm_vjp", ["--shapes=16x128"], 1,

@@ -151,7 +151,10 @@ def numpy_pfreq_point(spec: ModelSpec, params: dict, targets_BxL: np.ndarray,
                                              jnp.float32)}
 
 
-@pytest.mark.parametrize("norm,targets_from", [("post", VOCAB), ("pre", VOCAB), ("post", 5)])
+@pytest.mark.parametrize("norm,targets_from", [
+    pytest.param("post", VOCAB, marks=pytest.mark.slow),
+    pytest.param("pre", VOCAB, marks=pytest.mark.slow),
+    ("post", 5)])
 def test_constructed_pfreq_point_is_collapsed_at_lfreq_and_stationary(norm, targets_from):
     """Targets from all ``VOCAB`` tokens, or from 5 of them (most of the vocabulary absent from
     the batch, as in a real batch)."""
@@ -189,6 +192,7 @@ def test_constructed_point_refuses_a_tied_head():
         thm38.stationary_point(spec, params, b["inputs"], b["targets"], token_id=5)
 
 
+@pytest.mark.slow
 def test_next_batches_loss_scores_the_batches_after_the_checkpoint(tmp_path):
     """The loss on the next training batches: the batches that follow the checkpoint's step in
     the run's data order, scored by a numpy forward of the restored parameters."""

@@ -216,6 +216,7 @@ def test_the_kernel_is_the_session_targets(pytestconfig):
     assert build.registered_march() == march
 
 
+@pytest.mark.slow
 def test_build_is_reused_and_rebuilt_when_the_source_changes(tmp_path):
     source = tmp_path / "kernel.cc"
     source.write_text(build.ATTENTION_SOURCE.read_text())

@@ -79,6 +79,7 @@ def test_an_empty_workdir_flag_is_a_usage_error():
     assert "--workdir is required for --mode=train (a directory path)" in result.stderr
 
 
+@pytest.mark.slow
 def test_plots_that_cannot_be_written_do_not_fail_a_finished_run(tmp_path, caplog):
     """The run is complete and checkpointed; the error is logged with the command to redo it."""
     workdir = tmp_path / "run"

@@ -40,11 +40,24 @@ def init_params(spec: ModelSpec, seed: int = 0):
     return nn.unbox(jax.jit(Decoder(spec).init)(jax.random.key(seed), tokens)["params"])
 
 
-@pytest.mark.parametrize("norm,qk_norm", [("post", False), ("pre", False), ("deepnorm", True),
-                                          ("mixln", False), ("sandwich", True), ("periln", False),
-                                          ("b2t", False), ("adaptive", True)])
-@pytest.mark.parametrize("positions", ["rope", "learned", "none"])
-@pytest.mark.parametrize("tie", [False, True])
+NORMS_QK = [("post", False), ("pre", False), ("deepnorm", True), ("mixln", False),
+            ("sandwich", True), ("periln", False), ("b2t", False), ("adaptive", True)]
+
+
+def _shape_cases() -> list:
+    """Every arrangement with every position scheme and head; by default post in full and each
+    other arrangement once (its groups are what differs), the rest with -m slow."""
+    cases = []
+    for norm, qk_norm in NORMS_QK:
+        for positions in ("rope", "learned", "none"):
+            for tie in (False, True):
+                full = norm == "post" or (positions, tie) == ("learned", False)
+                cases.append(pytest.param(norm, qk_norm, positions, tie,
+                                          marks=() if full else pytest.mark.slow))
+    return cases
+
+
+@pytest.mark.parametrize("norm,qk_norm,positions,tie", _shape_cases())
 def test_shapes_and_param_count(norm, qk_norm, positions, tie):
     spec = ModelSpec(**TINY, norm=norm, positions=positions, tie_embeddings=tie, qk_norm=qk_norm)
     params = init_params(spec)
@@ -232,15 +245,20 @@ def _plain_model_loss_and_grads(norm: str):
     return params, tokens, *_loss_and_grads(plain, params, tokens)
 
 
-@pytest.mark.parametrize("norm", ["post", "pre"])
-@pytest.mark.parametrize("variant", [dict(remat="dots"), dict(remat="dots_no_batch"),
-                                     dict(remat="full"), dict(attention="xla"),
-                                     dict(attention="blocked", attention_block=3),
-                                     dict(attention="blocked", attention_block=4, remat="full"),
-                                     dict(scan_unroll=3), dict(scan_unroll=2, remat="dots"),
-                                     dict(attention="xla", remat="dots"),
-                                     dict(attention="cpu"), dict(attention="cpu", remat="full"),
-                                     dict(attention="cpu", remat="dots", scan_unroll=3)])
+VARIANTS = [dict(remat="dots"), dict(remat="dots_no_batch"), dict(remat="full"),
+            dict(attention="xla"), dict(attention="blocked", attention_block=3),
+            dict(attention="blocked", attention_block=4, remat="full"), dict(scan_unroll=3),
+            dict(scan_unroll=2, remat="dots"), dict(attention="xla", remat="dots"),
+            dict(attention="cpu"), dict(attention="cpu", remat="full"),
+            dict(attention="cpu", remat="dots", scan_unroll=3)]
+# By default Post-Norm with every remat policy, kernel and unrolling at least once, Pre-Norm with
+# two combined variants (blocked + full remat, cpu + dots + unroll); every pair with -m slow
+DEFAULT_VARIANTS = {"post": (1, 2, 5, 7, 8, 9, 11), "pre": (5, 11)}
+
+
+@pytest.mark.parametrize("norm,variant", [
+    pytest.param(norm, v, marks=() if i in DEFAULT_VARIANTS[norm] else pytest.mark.slow)
+    for norm in ("post", "pre") for i, v in enumerate(VARIANTS)])
 def test_remat_attention_kernels_and_unrolling_do_not_change_the_function(norm, variant):
     """Every remat policy, attention kernel and unroll gives the plain model's loss and grads."""
     params, tokens, loss, grads = _plain_model_loss_and_grads(norm)

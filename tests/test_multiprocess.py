@@ -165,6 +165,7 @@ def test_two_processes_preempt_resume_and_match_one_process(tmp_path, tmp_path_f
                                [want_floors[s] for s in sorted(floors)], rtol=1e-6)  # float32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags,message", [
     (["--num_processes", "2"], "give all three or none"),
     (["--coordinator_address", "localhost:1", "--num_processes", "2", "--process_id", "2"],
@@ -179,6 +180,7 @@ def test_distributed_flags_are_checked(tmp_path, flags, message):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_a_damaged_metrics_file_stops_both_processes_with_exit_2(tmp_path, tmp_path_factory):
     """Only process 0 reads metrics.jsonl; process 1 must not go on into the first collective
     alone (it would wait there until the coordinator times out)."""
@@ -212,6 +214,7 @@ def test_a_data_error_on_process_0_stops_both_processes_with_exit_2(tmp_path, tm
     assert "postnorm: error: another process could not load the data" in texts[1]
 
 
+@pytest.mark.slow
 def test_a_metrics_write_failing_on_process_0_stops_both_processes_with_exit_2(
         tmp_path, tmp_path_factory):
     """Only process 0 writes the metrics; when its disk fills mid-run, process 1 must stop too

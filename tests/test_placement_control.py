@@ -59,7 +59,7 @@ def corpus(tmp_path_factory):
     return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
-@pytest.mark.parametrize("controller", [True, False])
+@pytest.mark.parametrize("controller", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_a_run_logs_lambda_and_it_follows_the_rule(corpus, tmp_path, controller):
     """Each diagnostic step logs the lambda it ran with; the next one's equals the rule applied
     to the first's logged lambda, c and tsim (the controller off: lambda never moves)."""

@@ -118,6 +118,7 @@ def test_the_report_leaves_the_runs_own_plots_as_they_were(tmp_path):
     assert not list(tmp_path.rglob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_a_damaged_thm38_record_or_sparse_config_is_reported_not_fatal(tmp_path):
     write_run(tmp_path)
     for text in ("{bad", "{}"):

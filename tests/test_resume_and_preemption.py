@@ -139,6 +139,7 @@ def test_eval_beside_a_live_trainer_leaves_both_intact(tmp_path, tmp_path_factor
     assert logged == sorted(set(logged)) and 10 < logged[-1] <= int(stop.group(1))
 
 
+@pytest.mark.slow
 def test_a_second_trainer_of_the_same_workdir_is_refused(tmp_path, tmp_path_factory):
     """The same command started again while the first run trains exits 2 naming that run;
     the first goes on and logs every step once.
@@ -164,6 +165,7 @@ def test_a_second_trainer_of_the_same_workdir_is_refused(tmp_path, tmp_path_fact
     assert logged == list(range(1, int(stop.group(1)) + 1))
 
 
+@pytest.mark.slow
 def test_a_stop_asked_for_during_the_last_step_finishes_the_run(tmp_path, monkeypatch):
     """A SIGTERM that lands during the last step is not a preemption: the run is complete."""
     monkeypatch.setattr(PreemptionWatch, "should_stop", lambda self, step: True)

@@ -57,6 +57,7 @@ def test_a_damaged_record_is_named(tmp_path, text):
         run_data.check_run_data(workdir, INFO, "/data", "resume")
 
 
+@pytest.mark.slow
 def test_resume_and_eval_refuse_a_corpus_changed_after_training(tmp_path):
     corpus = write_corpus(tmp_path / "corpus")
     config = tiny_config(corpus, tmp_path / "tfds", train__steps=4, train__ckpt_every=4,

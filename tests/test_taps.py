@@ -27,7 +27,8 @@ KERNELS = {"einsum": {}, "blocked": dict(attention="blocked", attention_block=5)
            "default": dict(attention="cpu", positions="rope", remat="full")}
 # Both placements with the einsum kernel; the blocked kernel (which shares the placement code)
 # with Post-Norm, to keep the suite's compile time down.
-NORMS_AND_KERNELS = [("post", "einsum"), ("pre", "einsum"), ("post", "blocked")]
+NORMS_AND_KERNELS = [("post", "einsum"), ("pre", "einsum"),
+                     pytest.param("post", "blocked", marks=pytest.mark.slow)]
 
 
 @functools.cache

@@ -63,6 +63,7 @@ def test_twenty_steps_lower_the_loss_and_write_outputs(corpus, tmp_path):
         frequency_floor(np.stack(eval_targets), data.unigram_counts), rel=1e-12)
 
 
+@pytest.mark.slow
 def test_resume_reproduces_losses_exactly(corpus, tmp_path):
     """Resuming from the step-4 checkpoint repeats steps 5..8 bit for bit, also when the
     resume changes how often it evaluates, diagnoses and saves (``RESUMABLE_FIELDS``)."""
