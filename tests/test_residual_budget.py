@@ -12,7 +12,7 @@ from configs.default import get_config
 from postnorm.config.schema import ConfigError
 from postnorm.diagnostics.taps import zero_probes
 from postnorm.model import Decoder, ModelSpec
-from postnorm.model.layers import BUDGET_COLLECTION, budget_branch_scale
+from postnorm.model.layers import BUDGET_COLLECTION, budget_branch_scale, cap_rms
 from postnorm.train.losses import make_loss
 from postnorm.train.validate import check_config
 from tests import numpy_reference as ref
@@ -65,15 +65,15 @@ def diag_forward(spec: ModelSpec, params: dict, tokens: jax.Array):
 
 def big_branch_params(spec: ModelSpec) -> dict:
     """Initial parameters with the branch matrices scaled up 4x, so that c falls well below 1;
-    embedding rows of RMS 1 and each norm's gain a constant in [0.97, 1.03], so that the skip
-    alone is within every budget (where it is not, no branch scale can meet it:
+    embedding rows scaled 1.5x, so that most of them have RMS above 1/0.9 (layer 0's skip, which
+    the budget caps at RMS 1), and each norm's gain a constant in [0.97, 1.03], so that every
+    later skip is within every budget (where a skip is not, no branch scale can meet it:
     ``test_the_branch_scale_is_the_largest_that_meets_the_limit``'s zeros)."""
     params = nn.unbox(Decoder(spec).init(jax.random.key(0), jnp.zeros((1, 12), jnp.int32))[
         "params"])
     for group in ("attn", "ffn"):
         params["layers"][group] = jax.tree.map(lambda w: 4 * w, params["layers"][group])
-    emb = params["embedding"]
-    params["embedding"] = emb / jnp.sqrt(jnp.mean(emb * emb, axis=-1, keepdims=True))
+    params["embedding"] = 1.5 * params["embedding"]
     rng = np.random.default_rng(2)
     for name, norm in params["layers"].items():
         if name.startswith("norm_"):
@@ -93,6 +93,31 @@ def test_the_branch_scale_keeps_c_at_or_above_its_threshold(norm):
     for kind in ("attn", "ffn"):
         assert float(jnp.min(plain[f"c_min_{kind}"])) < 0.9
         assert float(jnp.min(kept[f"c_min_{kind}"])) >= 0.9 * (1 - 1e-5)
+    assert float(plain["c_min_attn"][0]) < 0.9  # layer 0, whose skip is the embedding
+
+
+def test_the_embedding_cap_against_numpy():
+    """Rows of RMS above 1 are brought to RMS 1, the others are left bit for bit; under a budget
+    the decoder's stream starts from the capped rows."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(2, 12, 16)) * rng.uniform(0.3, 2.0, size=(2, 12, 1))
+    rms = np.sqrt(np.mean(x**2, axis=-1, keepdims=True))
+    assert (rms > 1).any() and (rms < 1).any()
+    got = np.asarray(cap_rms(jnp.asarray(x, jnp.float32)))
+    np.testing.assert_allclose(got, np.where(rms > 1, x / rms, x), rtol=1e-6)
+    np.testing.assert_array_equal(got[rms[..., 0] <= 1], np.float32(x)[rms[..., 0] <= 1])
+    # the penalty leaves the forward alone but for the cap: its logits are the plain model's
+    # with the embedding table's rows capped (no position embedding)
+    spec = ModelSpec(**TINY, norm="post", positions="none")
+    params = big_branch_params(spec)
+    tokens = jnp.asarray(rng.integers(0, 50, size=(2, 12)))
+    emb = np.asarray(params["embedding"], np.float64)
+    capped = {**params, "embedding": jnp.asarray(
+        emb / np.maximum(1, np.sqrt(np.mean(emb**2, axis=-1, keepdims=True))), jnp.float32)}
+    penalised = ModelSpec(**TINY, norm="post", positions="none", residual_budget="penalty")
+    got, _ = Decoder(penalised).apply({"params": params}, tokens, mutable=[BUDGET_COLLECTION])
+    want = Decoder(spec).apply({"params": capped}, tokens)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
 
 
 def test_the_penalty_is_the_hinge_of_every_norm_input_against_numpy():
@@ -108,6 +133,7 @@ def test_the_penalty_is_the_hinge_of_every_norm_input_against_numpy():
     want = {"attn": np.zeros(3), "ffn": np.zeros(3)}
     for b in range(2):
         x = numpy_params["embedding"][tokens[b]]
+        x = x / np.maximum(1, np.sqrt(np.mean(x**2, axis=-1, keepdims=True)))  # the budget's cap
         for layer in range(3):
             p = ref.layer_params(numpy_params, layer)
             for kind, fn in (("attn", lambda z, p=p: ref.attention(z, p["attn"], 4, "none", 1e4)),

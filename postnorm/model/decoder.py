@@ -17,6 +17,7 @@ from postnorm.model.layers import (
     ResidualNorm,
     RMSNorm,
     SwiGLU,
+    cap_rms,
     dense_kernel,
     token_matmul,
 )
@@ -153,6 +154,10 @@ class Decoder(nn.Module):
             x_BxLxD = x_BxLxD + pos_LxD[: tokens_BxL.shape[1]]
         if arrangement.embedding_norm:
             x_BxLxD = RMSNorm(s.norm_eps, name="embedding_norm")(x_BxLxD)
+        if s.residual_budget != "none":
+            # layer 0's skip is the embedding: its rows enter at RMS <= 1, as every later skip
+            # (a norm's output) does at unit gains, so that a scale on F can meet the budget there
+            x_BxLxD = cap_rms(x_BxLxD)
         x_BxLxD = x_BxLxD.astype(DTYPES[s.dtype])
 
         stack = nn.scan(layer_class(s), variable_axes={"params": 0, BUDGET_COLLECTION: 0},

@@ -77,6 +77,14 @@ def budget_branch_scale(skip_BxLxD: jax.Array, branch_BxLxD: jax.Array,
     return jnp.where(fits, 1.0, jnp.where(solve, jnp.clip(root, 0.0, 1.0), 0.0))
 
 
+def cap_rms(x_BxLxD: jax.Array, cap: float = 1.0) -> jax.Array:
+    """Each row divided by max(1, rms(row) / cap): a row of RMS above ``cap`` is brought down to
+    it, any other row is left as it is."""
+    x32 = x_BxLxD.astype(jnp.float32)
+    rms_BxLx1 = jnp.sqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True))
+    return (x32 / jnp.maximum(1.0, rms_BxLx1 / cap)).astype(x_BxLxD.dtype)
+
+
 class ResidualNorm(nn.Module):
     """The norm of a residual sum, N(skip + F), with a budget on the sum's size.
 

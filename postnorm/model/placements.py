@@ -212,8 +212,8 @@ class Arrangement:
       matrix (so the similarity-aware init's W_O gain has nothing to act on).
     budgetable: every sublayer normalises a residual sum X + F whose skip X leaves a norm, so
       that a residual budget (``Norms.residual``) bounds the contraction c on the skip path by
-      scaling F alone (except at layer 0, whose skip is the embedding: a row over the budget
-      keeps c under it there). Not DeepNorm (alpha X alone has c <= 1/alpha), B2T (its FFN's
+      scaling F alone (at layer 0, whose skip is the embedding, the decoder caps the rows' RMS
+      at 1: ``layers.cap_rms``). Not DeepNorm (alpha X alone has c <= 1/alpha), B2T (its FFN's
       skip, X + h, is two normalised rows) or Mix-LN (its Pre layers have no such norm).
     stateful_mix: lambda is training state (checkpointed, moved by a controller), not a
       constant of the spec: the steps pass it to the model.
