@@ -108,6 +108,41 @@ def test_round_trip_is_bitwise_and_data_continues(tmp_path: Path) -> None:
     _train(new_state, fresh_it, 1)  # restored state feeds the jitted step directly
 
 
+
+class _StateWithOptionalField(TrainState):
+    """A TrainState that gained a field after checkpoints were written: None unless used."""
+
+    extra: jax.Array | None = None
+
+
+def test_a_checkpoint_from_before_a_none_field_existed_restores(tmp_path: Path) -> None:
+    """A state field added later whose value is None (no arrays) does not make older
+    checkpoints unusable; one that holds arrays does."""
+    directory = tmp_path / "checkpoints"
+    it = _data_iter()
+    state = _train(_create_state(), it, 2)
+    ckpt = Checkpointer(str(directory), save_every=1, keep=3)
+    ckpt.save(2, state, it)
+    ckpt.close()
+
+    def newer(extra=None):
+        old = _create_state()
+        return _StateWithOptionalField.create(apply_fn=_apply, params=old.params, tx=TX,
+                                              extra=extra)
+
+    restored = Checkpointer(str(directory), save_every=1, keep=3).restore_latest(
+        _abstract(newer), _data_iter())
+    assert restored is not None
+    new_state, step = restored
+    assert step == 2 and isinstance(new_state, _StateWithOptionalField)
+    assert new_state.extra is None and new_state.apply_fn is _apply
+    for x, y in zip(_host(state), _host(new_state), strict=True):
+        assert x.dtype == y.dtype and x.tobytes() == y.tobytes()
+    with pytest.raises(CheckpointError, match="can be restored"):
+        Checkpointer(str(directory), save_every=1, keep=3).restore_latest(
+            _abstract(lambda: newer(jnp.ones(3))), _data_iter())
+
+
 def test_restore_onto_sharded_abstract_state(tmp_path: Path) -> None:
     n = jax.device_count()
     if n < 2:

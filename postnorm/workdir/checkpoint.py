@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -78,6 +79,17 @@ _MAX_RESCANS = 5
 # The newest steps a reader considers (a trainer keeps `train.keep_ckpts` of them).
 _MAX_LISTED = 256
 
+
+def _without_none_fields(abstract_state: PyTree) -> dict | None:
+    """A dataclass state's pytree fields but those whose value is None, as a dict; None when
+    ``abstract_state`` is not a dataclass or has no such field."""
+    if not dataclasses.is_dataclass(abstract_state):
+        return None
+    fields = {f.name: getattr(abstract_state, f.name) for f in dataclasses.fields(abstract_state)
+              if f.metadata.get("pytree_node", True)}
+    if all(value is not None for value in fields.values()):
+        return None
+    return {name: value for name, value in fields.items() if value is not None}
 
 class CheckpointReader:
     """Restores ``{state, data_iterator}`` from a checkpoint directory without writing to it."""
@@ -194,25 +206,41 @@ class CheckpointReader:
     def _restore_step(
         self, step: int, abstract_state: PyTree, data_iterator: grain.DatasetIterator | None
     ) -> PyTree:
-        """The state of `step`, verified against the checksums saved with it."""
-        items = {"state": ocp.args.StandardRestore(abstract_state),
-                 "integrity": ocp.args.JsonRestore()}
-        if data_iterator is not None:
-            items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+        """The state of `step`, verified against the checksums saved with it.
+
+        A dataclass state's field whose value is None holds no array; a checkpoint written
+        before that field existed has no entry for it, and is restored without it.
+        """
         try:
-            restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-        except json.JSONDecodeError as err:  # orbax's message names no file
-            raise CheckpointError(
-                f"{_damaged_json(self.directory / str(step))} is not valid JSON ({err}): the "
-                "file is damaged") from err
-        saved, actual = restored.integrity["state"], tree_checksums(restored.state)
+            restored = self._restore_items(step, abstract_state, data_iterator)
+            state = restored.state
+        except ValueError as err:
+            target = _without_none_fields(abstract_state)
+            if target is None or "tree structures do not match" not in str(err):
+                raise
+            restored = self._restore_items(step, target, data_iterator)
+            state = abstract_state.replace(**restored.state)
+        saved, actual = restored.integrity["state"], tree_checksums(state)
         bad = sorted(k for k in saved.keys() | actual.keys() if saved.get(k) != actual.get(k))
         if bad:
             raise CheckpointError(
                 f"the arrays {bad} read from {self.directory / str(step) / 'state'} do not match "
                 "the checksums saved with them: the files are corrupt"
             )
-        return restored.state
+        return state
+
+    def _restore_items(self, step: int, state_target: PyTree,
+                       data_iterator: grain.DatasetIterator | None) -> Any:
+        items = {"state": ocp.args.StandardRestore(state_target),
+                 "integrity": ocp.args.JsonRestore()}
+        if data_iterator is not None:
+            items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+        try:
+            return self._manager.restore(step, args=ocp.args.Composite(**items))
+        except json.JSONDecodeError as err:  # orbax's message names no file
+            raise CheckpointError(
+                f"{_damaged_json(self.directory / str(step))} is not valid JSON ({err}): the "
+                "file is damaged") from err
 
     def _set_aside(self, steps: list[int]) -> None:
         """What to do with unusable `steps` once an older one restored: a reader leaves them."""
