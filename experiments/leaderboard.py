@@ -2,6 +2,7 @@
 
     python -m experiments.sweep --sweep configs/sweeps/leaderboard.py --out_dir runs/leaderboard
     python -m experiments.leaderboard --out_dir runs/leaderboard [--fresh_batches 512]
+    python -m experiments.leaderboard --runs DIR[,DIR...]   # the same measures of any runs, as JSON
 
 Reads the sweep's ``summary.json`` (``experiments.sweep`` writes it; ``--report_only`` rewrites it
 without training) and measures every finished run once more on its final checkpoint, cached in
@@ -20,14 +21,14 @@ without training) and measures every finished run once more on its final checkpo
 Per method and learning rate the table gives the seeds finished, how many collapsed (the
 project's rule, ``postnorm.analysis.collapse``), these measures over seeds and the gap of the
 fresh-batch loss to Pre-Norm's. Writes ``leaderboard.json``, ``leaderboard.md`` and
-``leaderboard.png`` to --out_dir.
+``leaderboard.png`` to --out_dir. With ``--runs`` it prints, for each run directory given, these
+measures and the collapse verdict as JSON lines, with no sweep.
 """
 
 import json
 import os
 
 import matplotlib
-import ml_collections
 import numpy as np
 from absl import app, flags, logging
 
@@ -38,8 +39,9 @@ from postnorm.analysis.tables import cell, markdown_table
 from postnorm.analysis.thm38 import next_batches_loss
 from postnorm.errors import UserError, exit_on_error
 from postnorm.files import write_bytes_atomic, write_json_atomic
+from postnorm.sweep.record import run_metrics_summary
 from postnorm.train.experiment import restore_run
-from postnorm.workdir.config_record import read_run_config
+from postnorm.workdir.config_record import recorded_config
 from postnorm.workdir.layout import latest_checkpoint_step
 from postnorm.workdir.metrics import layer_series, read_metrics
 
@@ -47,6 +49,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 flags.DEFINE_string("out_dir", None, "The leaderboard sweep's --out_dir.")
+flags.DEFINE_list("runs", None, "Run directories to measure and print as JSON lines, instead of "
+                  "a sweep's --out_dir.")
 flags.DEFINE_integer("fresh_batches", 512, "Training batches after the last step to evaluate "
                      "each final checkpoint on.", lower_bound=1)
 FLAGS = flags.FLAGS
@@ -68,7 +72,7 @@ def run_measures(workdir: str, fresh_batches: int) -> dict:
             cached = json.load(f)
         if cached.get("checkpoint_step") == step and cached.get("fresh_batches") == fresh_batches:
             return cached
-    config = ml_collections.ConfigDict(read_run_config(workdir))
+    config = recorded_config(workdir)
     exp, state, step, batches = restore_run(config, workdir, "measure", data_position=True)
     fresh = next_batches_loss(exp, state, batches, fresh_batches)
     series = layer_series(read_metrics(workdir))
@@ -88,6 +92,21 @@ def run_measures(workdir: str, fresh_batches: int) -> dict:
     }
     write_json_atomic(path, measures)
     return measures
+
+
+def single_run(workdir: str, fresh_batches: int) -> dict:
+    """The leaderboard's measures of one run directory, with the project's collapse verdict and
+    the run's end-of-training figures."""
+    if latest_checkpoint_step(workdir) is None:
+        raise LeaderboardError(f"--runs: {workdir} holds no checkpoint: give a trained run's "
+                               "--workdir")
+    summary = run_metrics_summary(workdir)
+    keep = ("final_step", "final_eval_loss", "train_loss_over_lfreq", "eval_loss_over_floor",
+            "fraction_of_layers_tsim_ge_0.99", "skipped_steps", "rollbacks")
+    return {"workdir": workdir, **{k: summary[k] for k in keep if k in summary},
+            "collapsed": summary["collapse"]["collapsed"],
+            "collapse_step": summary["collapse"]["collapse_step"],
+            **run_measures(workdir, fresh_batches)}
 
 
 def read_sweep_rows(out_dir: str) -> list[dict]:
@@ -182,8 +201,12 @@ def plot(path: str, rows: list[dict]) -> None:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if FLAGS.out_dir is None:
-        raise app.UsageError("--out_dir is required")
+    if (FLAGS.out_dir is None) == (FLAGS.runs is None):
+        raise app.UsageError("give --out_dir (a leaderboard sweep) or --runs (run directories)")
+    if FLAGS.runs is not None:
+        for workdir in FLAGS.runs:
+            print(json.dumps(single_run(workdir, FLAGS.fresh_batches)))
+        return
     rows = []
     for row in read_sweep_rows(FLAGS.out_dir):
         row = {**row, "method": method_of(row)}

@@ -62,6 +62,30 @@ def test_batch_floors_counts_the_first_logged_step(tmp_path):
 
 
 @pytest.mark.slow
+def test_leaderboard_measures_of_a_run_against_its_metrics_file(tmp_path):
+    """``--runs``: min c is the smallest c_min in the run's metrics.jsonl, read here line by line;
+    the fresh-batch loss over L_freq is their quotient; the verdict is the collapse rule's."""
+    flag = config_flag(write_corpus(tmp_path / "corpus"), tmp_path / "tfds", train__steps=8,
+                       diag__every=4, model__residual_budget="scale")
+    workdir = tmp_path / "run"
+    trained = subprocess.run([sys.executable, "main.py", "--config", flag, "--workdir",
+                              str(workdir)], cwd=REPO, capture_output=True, text=True,
+                             timeout=300, env=subprocess_env(None))
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    result = run_module("experiments.leaderboard", f"--runs={workdir}", "--fresh_batches=3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    measures = json.loads(result.stdout.strip().splitlines()[-1])
+    c_min = min(value for line in (workdir / "metrics.jsonl").read_text().splitlines()
+                for key, value in json.loads(line).items() if key.startswith("diag/c_min_"))
+    assert measures["min_c"] == pytest.approx(c_min, rel=1e-12)
+    assert measures["min_c"] >= 0.9 * (1 - 1e-6)  # the budget's threshold
+    assert measures["fresh_loss_over_lfreq"] == pytest.approx(
+        measures["fresh_loss"] / measures["lfreq"], rel=1e-12)
+    assert measures["fresh_batches"] == 3 and measures["checkpoint_step"] == 8
+    assert measures["collapsed"] in (True, False) and measures["final_step"] == 8
+
+
+@pytest.mark.slow
 def test_bench_variants_take_the_config_files_named_variants():
     result = run_module("benchmarks.bench", f"--config={TINY}", "--programs=forward",
                         "--repeats=1", "--peak_size=64", "--variant=pre",
@@ -161,6 +185,10 @@ def test_attention_core_check_fails_on_a_wrong_gradient():
      "postnorm: error: --out_dir='/dev/null/x' cannot be created or written"),
     ("experiments.leaderboard", ["--out_dir=/nonexistent/lb"], 2,
      "postnorm: error: /nonexistent/lb/summary.json cannot be read"),
+    ("experiments.leaderboard", ["--runs=/nonexistent/run"], 2,
+     "postnorm: error: --runs: /nonexistent/run holds no checkpoint"),
+    ("experiments.leaderboard", ["--runs=/tmp/a", "--out_dir=/tmp/b"], 1,
+     "give --out_dir (a leaderboard sweep) or --runs (run directories)"),
     ("experiments.init_similarity", ["--out_dir=/tmp/unused", "--norms=sandwich",
                                      "--init_tsim_target=0.5"], 2,
      "model.norm='sandwich' undoes with the norm on each branch"),

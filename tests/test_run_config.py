@@ -165,3 +165,23 @@ def test_a_workdir_under_a_file_has_no_recorded_config(tmp_path):
     """Creating it fails later with its own message (tests/test_filesystem.py)."""
     (tmp_path / "file").write_text("")
     assert run_config.read_run_config(str(tmp_path / "file" / "run")) is None
+
+
+def test_a_record_from_before_a_default_keeping_field_rebuilds_with_its_default(tmp_path):
+    """``recorded_config``: the fields of ``DEFAULTS_KEEP_EARLIER_RUNS`` a record predates take
+    their defaults; any other field it lacks stays absent, for validation to name."""
+    from postnorm.config.identity import DEFAULTS_KEEP_EARLIER_RUNS, config_data
+    data = config_data(get_config())
+    for field in DEFAULTS_KEEP_EARLIER_RUNS:
+        section, name = field.split(".")
+        del data[section][name]
+    data["model"]["qk_norm"] = True  # recorded: kept as recorded
+    del data["opt"]["lr"]  # not a default-keeping field
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    config = run_config.recorded_config(str(tmp_path))
+    assert config.model.qk_norm is True
+    assert config.model.residual_budget == "none" and config.model.init_tsim_target == 0.0
+    assert config.train.placement_controller is True
+    assert "lr" not in config.opt
+    with pytest.raises(WorkdirConfigError, match="config.json does not exist"):
+        run_config.recorded_config(str(tmp_path / "empty"))

@@ -85,6 +85,24 @@ def _checkpointed_run_config(workdir: str) -> dict | None:
     return recorded
 
 
+
+def recorded_config(workdir: str) -> ml_collections.ConfigDict:
+    """The config ``workdir``'s run was recorded with, as a config to rebuild the run from: a
+    field of ``DEFAULTS_KEEP_EARLIER_RUNS`` that the record predates takes its default, which
+    computes what the run computed. Raises ``WorkdirConfigError`` when there is no record."""
+    recorded = read_run_config(workdir)
+    if recorded is None:
+        raise WorkdirConfigError(f"{Workdir(workdir).config} does not exist: give the --workdir "
+                                 "of a run that has started")
+    config = ml_collections.ConfigDict(recorded)
+    old = flatten_fields(recorded)
+    default = flatten_fields(config_data(base_config()))
+    for field in DEFAULTS_KEEP_EARLIER_RUNS:
+        if field not in old:
+            section, name = field.split(".")
+            config[section][name] = default[field]
+    return config
+
 def _changed(recorded: dict, config: ml_collections.ConfigDict) -> list[str]:
     """``changed_fields``, except a field of ``DEFAULTS_KEEP_EARLIER_RUNS`` that the record
     lacks and ``config`` keeps at its default: the run computed what that default computes."""
