@@ -12,6 +12,7 @@ from configs.default import get_config
 from postnorm.kernels.build import KernelBuildError
 from postnorm.model import ModelSpec, attention_choice
 from postnorm.model.attention_choice import choose_attention, layer_step_seconds
+from postnorm.model.placements import PLACEMENTS
 from postnorm.runtime.preemption import Preempted, PreemptionWatch
 from postnorm.train.loop import train_and_evaluate
 from postnorm.train.programs import resolve_attention
@@ -66,6 +67,14 @@ def test_the_measurement_times_both_kernels():
     seconds = layer_step_seconds(SPEC, batch=2, kernels=("cpu", "blocked"), rounds=2)
     assert set(seconds) == {"cpu", "blocked"} and all(0 < s < 10 for s in seconds.values())
 
+
+
+@pytest.mark.parametrize("norm", sorted(PLACEMENTS))
+def test_the_measurement_runs_the_layer_of_every_arrangement(norm):
+    """Arrangements with a lambda profile (mixln, adaptive) take their first layer's."""
+    spec = dataclasses.replace(SPEC, norm=norm, n_layers=4)
+    seconds = layer_step_seconds(spec, batch=1, kernels=("blocked",), rounds=1)
+    assert 0 < seconds["blocked"] < 10
 
 def test_without_a_compiler_the_cpu_gets_blocked_and_says_why(monkeypatch, tmp_path):
     made = timed_as(monkeypatch, tmp_path, {"cpu": 1e-3, "blocked": 2e-3})

@@ -22,6 +22,7 @@ from postnorm.kernels.build import (
 from postnorm.kernels.build import build as build_kernel
 from postnorm.kernels.causal_attention import HEAD_DIMS
 from postnorm.model.decoder import layer_class
+from postnorm.model.placements import PLACEMENTS
 from postnorm.model.spec import ModelSpec
 from postnorm.timing import interleaved_median_s
 
@@ -79,13 +80,15 @@ def layer_step_seconds(spec: ModelSpec, batch: int, kernels: tuple[str, ...],
     ``spec.remat``, the gradients of its parameters and input) on ``batch`` sequences, per
     kernel, interleaved; compiled with ``xla_options``."""
     x_BxLxD = jax.random.normal(jax.random.key(0), (batch, spec.max_len, spec.d_model))
+    profile_Lx2 = PLACEMENTS[spec.norm].post_mix(spec)  # the first layer's lambda, if any
+    mix_2 = None if profile_Lx2 is None else jnp.asarray(profile_Lx2[0], jnp.float32)
     fns, args = {}, {}
     for kernel in kernels:
         layer = layer_class(spec)(dataclasses.replace(spec, attention=kernel))
-        params = layer.init(jax.random.key(1), x_BxLxD, None)
+        params = layer.init(jax.random.key(1), x_BxLxD, None, mix_2)
 
         def loss(params, x_BxLxD, layer=layer):
-            return jnp.sum(layer.apply(params, x_BxLxD, None)[0].astype(jnp.float32))
+            return jnp.sum(layer.apply(params, x_BxLxD, None, mix_2)[0].astype(jnp.float32))
 
         step = jax.jit(jax.grad(loss, argnums=(0, 1)), compiler_options=xla_options or None)
         fns[kernel] = step.lower(params, x_BxLxD).compile()
