@@ -91,6 +91,7 @@ def _without_none_fields(abstract_state: PyTree) -> dict | None:
         return None
     return {name: value for name, value in fields.items() if value is not None}
 
+
 class CheckpointReader:
     """Restores ``{state, data_iterator}`` from a checkpoint directory without writing to it."""
 
