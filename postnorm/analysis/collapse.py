@@ -5,10 +5,11 @@ The rule (``CollapseRule``; defaults in brackets), evaluated on the diagnostic s
 * A diagnostic step **meets the criterion** when tsim(X_k) at the attention input is
   >= ``tsim_threshold`` [0.99] in at least ``layer_fraction`` [0.5] of the layers AND the train
   loss there is within ``loss_rtol`` [5%] of the frequency floor: |loss - floor| <= loss_rtol *
-  floor. The loss there is the mean of the last ``loss_smoothing`` [3] train losses logged at or
-  before the step (as ``run_summary``'s final loss), and the floor is the mean of the same
-  batches' frequency floors (``postnorm.data.lfreq``): what a model predicting the unigram
-  distribution scores on exactly those batches. One batch's floor scatters around L_freq by
+  floor. The loss there is the mean of the last ``loss_smoothing`` [3] train losses (their
+  cross-entropy, where the objective adds terms to it) logged at or before the step (as
+  ``run_summary``'s final loss), and the floor is the mean of the same batches' frequency
+  floors (``postnorm.data.lfreq``): what a model predicting the unigram distribution scores on
+  exactly those batches. One batch's floor scatters around L_freq by
   0.4-0.6 nats on the default corpus, more than the tolerance (0.29 nats at L_freq = 5.87).
   Records without floors (older runs) are compared with L_freq.
 * The run **collapsed** when its last diagnostic step meets the criterion. The **collapse step**
@@ -71,9 +72,10 @@ class Collapse:
 
 def train_loss_and_floor(records: list[dict]) -> list[tuple[int, float, float]]:
     """(step, train loss, frequency floor of that batch) per logged train step, in step order;
-    the floor is L_freq where the records hold none."""
+    the loss is the cross-entropy (``train/ce``) where the objective logged other terms beside
+    it, and the floor is L_freq where the records hold none."""
     lfreq = lfreq_of(records)
-    return sorted((int(r["step"]), float(r["train/loss"]),
+    return sorted((int(r["step"]), float(r.get("train/ce", r["train/loss"])),
                    float(r.get("train/freq_floor", lfreq)))
                   for r in records if "train/loss" in r)
 

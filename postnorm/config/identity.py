@@ -28,7 +28,8 @@ DEFAULTS_KEEP_EARLIER_RUNS = ("model.qk_norm", "model.mixln_post_fraction",
                               "model.residual_budget_c", "model.residual_budget_weight",
                               "model.adaptive_initial_mix", "train.placement_controller",
                               "train.placement_c_min", "train.placement_tsim_max",
-                              "train.placement_rate_down", "train.placement_rate_up")
+                              "train.placement_rate_down", "train.placement_rate_up",
+                              "opt.z_loss", "opt.diversity_weight", "opt.diversity_cap")
 
 # Sections an evaluation of a checkpoint must share with the run that trained it, and the
 # fields of them it may still choose.

@@ -84,6 +84,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.opt.weight_decay = 0.1
     c.opt.decay_norms_and_embeddings = False
     c.opt.clip_norm = 0.0  # 0 disables global-norm clipping
+    c.opt.z_loss = 0.0  # weight of mean(log Z^2), Z the softmax normaliser; 0 disables
+    # the frequency-loss regulariser: the objective is CE - diversity_weight * min(D,
+    # diversity_cap), D the position diversity of the predictions (postnorm.train.losses); 0
+    # disables
+    c.opt.diversity_weight = 0.0
+    c.opt.diversity_cap = 1.0
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 300

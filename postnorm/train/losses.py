@@ -2,6 +2,7 @@
 eval steps."""
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
@@ -14,7 +15,17 @@ from postnorm.model.layers import BUDGET_COLLECTION
 # An extra term of the objective: (logits [B, L, V], targets [B, L], sown) -> a scalar, where
 # ``sown`` holds what the model sowed into its collections on this forward (e.g. the residual
 # budget's hinge penalties).
-Term = Callable[[jax.Array, jax.Array, dict], jax.Array]
+TermFn = Callable[[jax.Array, jax.Array, dict], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class Term:
+    """``weight * min(fn(...), cap)`` enters the objective; ``fn(...)`` itself is logged."""
+
+    name: str
+    weight: float
+    fn: TermFn
+    cap: float = math.inf
 
 
 def cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:
@@ -24,22 +35,22 @@ def cross_entropy(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class Loss:
-    """The objective: cross-entropy plus ``weight * term`` for each ``(name, weight, term)``.
+    """The objective: cross-entropy plus ``weight * min(value, cap)`` for each ``Term``.
 
-    ``loss(logits, targets) -> (objective, parts)``: ``parts`` holds ``ce`` and each term by
-    name; the train and diagnostic steps minimise and log the objective, and an evaluation
-    reads the cross-entropy alone (``cross_entropy``).
+    ``loss(logits, targets) -> (objective, parts)``: ``parts`` holds ``ce`` and each term's
+    uncapped value by name; the train and diagnostic steps minimise the objective and log the
+    parts, and an evaluation reads the cross-entropy alone (``cross_entropy``).
     """
 
-    terms: tuple[tuple[str, float, Term], ...] = ()
+    terms: tuple[Term, ...] = ()
 
     def __call__(self, logits_BxLxV: jax.Array, targets_BxL: jax.Array,
                  sown: dict | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
         ce = cross_entropy(logits_BxLxV, targets_BxL)
         objective, parts = ce, {"ce": ce}
-        for name, weight, term in self.terms:
-            parts[name] = term(logits_BxLxV, targets_BxL, sown or {})
-            objective = objective + weight * parts[name]
+        for term in self.terms:
+            parts[term.name] = term.fn(logits_BxLxV, targets_BxL, sown or {})
+            objective = objective + term.weight * jnp.minimum(parts[term.name], term.cap)
         return objective, parts
 
 
@@ -56,10 +67,43 @@ def residual_budget_hinge(logits_BxLxV: jax.Array, targets_BxL: jax.Array,
     return jnp.mean(jnp.concatenate(leaves))
 
 
+def z_loss(logits_BxLxV: jax.Array, targets_BxL: jax.Array, sown: dict) -> jax.Array:
+    """mean(log Z^2) over positions, Z the softmax normaliser (PaLM, Chowdhery et al. 2022)."""
+    del targets_BxL, sown
+    log_z_BxL = jax.nn.logsumexp(logits_BxLxV.astype(jnp.float32), axis=-1)
+    return jnp.mean(log_z_BxL**2)
+
+
+def position_diversity(logits_BxLxV: jax.Array, targets_BxL: jax.Array,
+                       sown: dict) -> jax.Array:
+    """D = (1/n) sum_i KL(q_i || q_bar) per sequence, averaged over the batch: q_i the predicted
+    distribution at position i, q_bar their mean over the sequence's n positions.
+
+    D is the mutual information between position and predicted token: 0 when every position
+    predicts the same distribution (a collapsed network predicts the unigram one at every
+    position), at most log n. The frequency-loss regulariser subtracts it from the objective.
+    """
+    del targets_BxL, sown
+    log_q_BxLxV = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32), axis=-1)
+    q_BxLxV = jnp.exp(log_q_BxLxV)
+    n = logits_BxLxV.shape[1]
+    log_q_bar_Bx1xV = jax.nn.logsumexp(log_q_BxLxV, axis=1, keepdims=True) - math.log(n)
+    kl_BxL = jnp.sum(q_BxLxV * (log_q_BxLxV - log_q_bar_Bx1xV), axis=-1)
+    return jnp.mean(kl_BxL)
+
+
 def make_loss(config: ml_collections.ConfigDict) -> Loss:
     """The objective ``config`` trains: cross-entropy, plus the residual budget's hinge penalty
-    weighted by ``model.residual_budget_weight`` with ``model.residual_budget=penalty``."""
+    (``model.residual_budget=penalty``, weighted by ``model.residual_budget_weight``), the z-loss
+    (``opt.z_loss``) and minus the position diversity capped at ``opt.diversity_cap``
+    (``opt.diversity_weight``), each where its weight is set."""
+    terms = []
     if config.model.residual_budget == "penalty":
-        return Loss((("residual_budget", float(config.model.residual_budget_weight),
-                      residual_budget_hinge),))
-    return Loss()
+        terms.append(Term("residual_budget", float(config.model.residual_budget_weight),
+                          residual_budget_hinge))
+    if config.opt.z_loss > 0:
+        terms.append(Term("z_loss", float(config.opt.z_loss), z_loss))
+    if config.opt.diversity_weight > 0:
+        terms.append(Term("diversity", -float(config.opt.diversity_weight), position_diversity,
+                          cap=float(config.opt.diversity_cap)))
+    return Loss(tuple(terms))

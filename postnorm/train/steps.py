@@ -19,10 +19,15 @@ DiagStep = Callable[[TrainState, Batch],
                     tuple[TrainState, dict[str, jax.Array], dict[str, jax.Array]]]
 
 
-def _step_metrics(objective: jax.Array, grads, state: TrainState,
+def _step_metrics(objective: jax.Array, parts: dict[str, jax.Array], grads, state: TrainState,
                   schedule: optax.Schedule) -> dict[str, jax.Array]:
-    return {"train/loss": objective, "train/grad_norm": optax.tree.norm(grads),
-            "train/lr": schedule(state.step)}
+    """``train/loss`` (the objective), and where the objective has terms besides the
+    cross-entropy, each part (``train/ce``, ``train/<term>``)."""
+    metrics = {"train/loss": objective, "train/grad_norm": optax.tree.norm(grads),
+               "train/lr": schedule(state.step)}
+    if len(parts) > 1:
+        metrics.update({f"train/{name}": value for name, value in parts.items()})
+    return metrics
 
 
 def _mix(state: TrainState) -> dict[str, jax.Array]:
@@ -38,10 +43,11 @@ def train_step(state: TrainState, batch: Batch, schedule: optax.Schedule,
     def objective_fn(params):
         logits, sown = state.apply_fn({"params": params}, batch["inputs"], **_mix(state),
                                       mutable=[BUDGET_COLLECTION])
-        return loss(logits, batch["targets"], sown)[0]
+        return loss(logits, batch["targets"], sown)
 
-    objective, grads = jax.value_and_grad(objective_fn)(state.params)
-    return state.apply_gradients(grads=grads), _step_metrics(objective, grads, state, schedule)
+    (objective, parts), grads = jax.value_and_grad(objective_fn, has_aux=True)(state.params)
+    return (state.apply_gradients(grads=grads),
+            _step_metrics(objective, parts, grads, state, schedule))
 
 
 def diag_step(state: TrainState, batch: Batch, schedule: optax.Schedule, loss: Loss,
@@ -56,9 +62,10 @@ def diag_step(state: TrainState, batch: Batch, schedule: optax.Schedule, loss: L
         (logits, forward), sown = state.apply_fn({"params": params}, batch["inputs"],
                                                  probes=probes, **_mix(state),
                                                  mutable=[BUDGET_COLLECTION])
-        return loss(logits, batch["targets"], sown)[0], forward
+        objective, parts = loss(logits, batch["targets"], sown)
+        return objective, (forward, parts)
 
-    (objective, forward), (grads, probe_grads) = jax.value_and_grad(
+    (objective, (forward, parts)), (grads, probe_grads) = jax.value_and_grad(
         objective_fn, argnums=(0, 1), has_aux=True)(state.params, zero_probes(n_layers))
     new_state = state.apply_gradients(grads=grads)
     diagnostics = gather_diagnostics(forward, probe_grads, state, grads)
@@ -67,7 +74,7 @@ def diag_step(state: TrainState, batch: Batch, schedule: optax.Schedule, loss: L
         diagnostics["post_mix_ffn"] = state.post_mix[:, 1]
         if placement is not None:
             new_state = new_state.replace(post_mix=placement(state.post_mix, forward))
-    return new_state, _step_metrics(objective, grads, state, schedule), diagnostics
+    return new_state, _step_metrics(objective, parts, grads, state, schedule), diagnostics
 
 
 def eval_step(state: TrainState, batch: Batch) -> jax.Array:

@@ -135,6 +135,9 @@ def check_opt(config: ml_collections.ConfigDict) -> None:
              "a number >= 0 (0 disables clipping)")
     _require(config, "opt.decay_norms_and_embeddings", lambda v: isinstance(v, bool),
              "true or false")
+    for path in ("opt.z_loss", "opt.diversity_weight"):
+        _require(config, path, lambda v: _is_num(v) and v >= 0, "a number >= 0 (0 disables it)")
+    _require(config, "opt.diversity_cap", lambda v: _is_num(v) and v > 0, "a number > 0")
 
 
 def check_train(config: ml_collections.ConfigDict) -> None:
