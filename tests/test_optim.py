@@ -1,4 +1,5 @@
-"""The optimizer and its schedule against a float64 numpy AdamW written from the definitions."""
+"""The optimizer and its schedule against float64 numpy AdamW and SGD with momentum written from
+the definitions."""
 
 import jax
 import jax.numpy as jnp
@@ -39,8 +40,9 @@ def test_optimizer_matches_numpy_adamw(decay_all, schedule, clip, grad_scale):
     of order 1e-9, as in collapsed layers, are below eps = 1e-8: there eps outside the root
     gives updates of order 0.1, where eps inside it would give 1e-5."""
     opt = ml_collections.ConfigDict(dict(
-        lr=1e-2, schedule=schedule, warmup_steps=3, min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8,
-        weight_decay=0.1, decay_norms_and_embeddings=decay_all, clip_norm=clip))
+        optimizer="adamw", momentum=0.9, lr=1e-2, schedule=schedule, warmup_steps=3,
+        min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
+        decay_norms_and_embeddings=decay_all, clip_norm=clip))
     total = 8
     tx, schedule_fn = make_optimizer(opt, total)
     rng = np.random.default_rng(0)
@@ -69,6 +71,38 @@ def test_optimizer_matches_numpy_adamw(decay_all, schedule, clip, grad_scale):
                 (m_ / (1 - opt.b1**t)) / (np.sqrt(v_ / (1 - opt.b2**t)) + opt.eps)
                 + opt.weight_decay * d_ * p_),
             p, m, v, decays)
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+        for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(p), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6, err_msg=f"step {t}")
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_sgd_with_momentum_matches_numpy(clip):
+    """The control optimizer: m <- momentum m + g + wd * w (on the masked leaves), w <- w - lr m,
+    after global-norm clipping of g, under the same schedule."""
+    opt = ml_collections.ConfigDict(dict(
+        optimizer="sgd", momentum=0.8, lr=0.1, schedule="cosine", warmup_steps=2,
+        min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
+        decay_norms_and_embeddings=False, clip_norm=clip))
+    total = 6
+    tx, _ = make_optimizer(opt, total)
+    rng = np.random.default_rng(1)
+    params = jax.tree.map(lambda s: jnp.asarray(rng.normal(size=s), jnp.float32), SHAPES,
+                          is_leaf=lambda s: isinstance(s, tuple))
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    m = jax.tree.map(np.zeros_like, p)
+    state = tx.init(params)
+    for t in range(1, total + 2):
+        lr = numpy_lr(opt, total, t - 1)
+        grads = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), jnp.float32), params)
+        g = jax.tree.map(lambda a: np.asarray(a, np.float64), grads)
+        if clip > 0:
+            norm = np.sqrt(sum(np.sum(x**2) for x in jax.tree.leaves(g)))
+            g = jax.tree.map(lambda x, norm=norm: x * min(1.0, clip / norm), g)
+        m = jax.tree.map(lambda m_, g_, p_, d_: opt.momentum * m_ + g_ + opt.weight_decay * d_
+                         * p_, m, g, p, ALWAYS_DECAYS)
+        p = jax.tree.map(lambda p_, m_, lr=lr: p_ - lr * m_, p, m)
         updates, state = tx.update(grads, state, params)
         params = optax.apply_updates(params, updates)
         for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(p), strict=True):

@@ -29,7 +29,9 @@ DEFAULTS_KEEP_EARLIER_RUNS = ("model.qk_norm", "model.mixln_post_fraction",
                               "model.adaptive_initial_mix", "train.placement_controller",
                               "train.placement_c_min", "train.placement_tsim_max",
                               "train.placement_rate_down", "train.placement_rate_up",
-                              "opt.z_loss", "opt.diversity_weight", "opt.diversity_cap")
+                              "opt.z_loss", "opt.diversity_weight", "opt.diversity_cap",
+                              "train.grad_repair", "train.grad_repair_max",
+                              "train.grad_repair_threshold", "opt.optimizer", "opt.momentum")
 
 # Sections an evaluation of a checkpoint must share with the run that trained it, and the
 # fields of them it may still choose.

@@ -74,6 +74,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.data.lfreq_sample_docs = 0
 
     c.opt = ml_collections.ConfigDict()
+    # adamw | sgd (SGD with momentum opt.momentum: the control for methods that act on the
+    # gradient's scale, which Adam's normalisation cancels)
+    c.opt.optimizer = "adamw"
+    c.opt.momentum = 0.9
     c.opt.lr = 1e-3
     c.opt.schedule = "cosine"  # cosine | constant (both after linear warmup)
     c.opt.warmup_steps = 20
@@ -110,6 +114,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.placement_tsim_max = 0.9
     c.train.placement_rate_down = 0.25
     c.train.placement_rate_up = 0.02
+    # gradient repair: backward, the signal reaching every residual norm's input is multiplied
+    # per token by min(1/c, grad_repair_max^(1/(2 n_layers))) where c < grad_repair_threshold,
+    # so the factors over the stack multiply to at most grad_repair_max (postnorm.model.repair)
+    c.train.grad_repair = False
+    c.train.grad_repair_max = 1e4
+    c.train.grad_repair_threshold = 1.0
 
     c.diag = ml_collections.ConfigDict()
     c.diag.every = 10  # diag_step (per-layer statistics) runs at step 1 and every `every` steps

@@ -39,10 +39,16 @@ REMAT_POLICIES = {
 class SublayerNorms:
     """The ``placements.Norms`` of one sublayer inside ``Block``: each norm is created on first
     use, named ``norm_<kind><suffix>``; without a residual budget, the residual sum's norm is a
-    plain RMSNorm of skip + F."""
+    plain RMSNorm of skip + F. Gradient repair (``spec.grad_repair``) acts at the residual
+    sums' norms only: they alone contract the skip path."""
 
-    def __init__(self, kind: str, eps: float, budget: str, budget_c: float):
-        self.kind, self.eps, self.budget, self.budget_c = kind, eps, budget, budget_c
+    def __init__(self, kind: str, spec: ModelSpec):
+        self.kind, self.eps = kind, spec.norm_eps
+        self.budget, self.budget_c = spec.residual_budget, spec.residual_budget_c
+        rule = spec.grad_repair
+        self.repair = ({} if rule is None else
+                       {"repair_cap": rule.sublayer_cap(spec.n_layers),
+                        "repair_threshold": rule.threshold})
         self.created: dict[str, nn.Module] = {}
 
     def __call__(self, suffix: str) -> RMSNorm:
@@ -52,15 +58,19 @@ class SublayerNorms:
 
     def residual(self, suffix: str) -> Callable[[jax.Array, jax.Array],
                                                 tuple[jax.Array, jax.Array]]:
+        name = f"norm_{self.kind}{suffix}"
         if self.budget == "none":
+            if suffix not in self.created:
+                self.created[suffix] = RMSNorm(self.eps, **self.repair, name=name)
+
             def plain(skip_BxLxD: jax.Array, branch_BxLxD: jax.Array
                       ) -> tuple[jax.Array, jax.Array]:
                 y_BxLxD = skip_BxLxD + branch_BxLxD
-                return self(suffix)(y_BxLxD), y_BxLxD
+                return self.created[suffix](y_BxLxD), y_BxLxD
             return plain
         if suffix not in self.created:
             self.created[suffix] = ResidualNorm(self.eps, self.budget, self.budget_c,
-                                                name=f"norm_{self.kind}{suffix}")
+                                                **self.repair, name=name)
         return self.created[suffix]
 
 
@@ -103,7 +113,7 @@ class Block(nn.Module):
         layer_input_BxLxD = x_BxLxD
         for index, (kind, branch_fn, sublayer) in enumerate(
                 zip(SUBLAYERS, (attend, ffn), arrangement.sublayers, strict=True)):
-            norms = SublayerNorms(kind, s.norm_eps, s.residual_budget, s.residual_budget_c)
+            norms = SublayerNorms(kind, s)
             if diag:
                 x_BxLxD = tap(x_BxLxD, probes_2xS[index])
             ctx = SublayerIn(layer_input_BxLxD, s.n_layers,
@@ -132,10 +142,13 @@ class Decoder(nn.Module):
 
     @nn.compact
     def __call__(self, tokens_BxL: jax.Array, probes: dict[str, jax.Array] | None = None,
-                 post_mix_Lx2: jax.Array | None = None) -> jax.Array | tuple[jax.Array, dict]:
+                 post_mix_Lx2: jax.Array | None = None,
+                 repair: bool = True) -> jax.Array | tuple[jax.Array, dict]:
         """Logits ``[B, L, V]``; with ``probes`` (``taps.zero_probes``) also the per-layer
         forward statistics, each stacked ``[n_layers]``. ``post_mix_Lx2`` overrides the
-        arrangement's lambda profile (an arrangement that mixes Post and Pre only)."""
+        arrangement's lambda profile (an arrangement that mixes Post and Pre only).
+        ``repair=False`` leaves out ``spec.grad_repair``: the same forward, and the loss's own
+        gradient."""
         s = self.spec
         arrangement = PLACEMENTS[s.norm]
         if post_mix_Lx2 is None and arrangement.post_mix(s) is not None:
@@ -165,7 +178,8 @@ class Decoder(nn.Module):
                         length=s.n_layers, unroll=s.scan_unroll,
                         metadata_params={nn.PARTITION_NAME: "layers"})
         layer_probes = None if probes is None else probes["layers"]
-        x_BxLxD, stats = stack(s, name="layers")(x_BxLxD, layer_probes, post_mix_Lx2)
+        layer_spec = s if repair else dataclasses.replace(s, grad_repair=None)
+        x_BxLxD, stats = stack(layer_spec, name="layers")(x_BxLxD, layer_probes, post_mix_Lx2)
         if probes is not None:  # the residual stream leaving the last layer
             x_BxLxD = tap(x_BxLxD, probes["final"])
             stats["tsim_final"] = tsim(x_BxLxD)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from postnorm.diagnostics.stats import attention_row_stats, mean_attention_stats
 from postnorm.kernels.causal_attention import cpu_causal_attention, cpu_causal_attention_with_stats
 from postnorm.model.initializers import kernel_init
+from postnorm.model.repair import repaired
 
 ATTENTION_KERNELS = ("einsum", "blocked", "xla", "cudnn", "cpu")
 
@@ -34,15 +35,23 @@ def dense_kernel(module: nn.Module, name: str, shape: tuple[int, int], axes: tup
 
 
 class RMSNorm(nn.Module):
-    """z = scale * y / sqrt(mean(y^2) + eps), statistics in float32; scale starts at 1."""
+    """z = scale * y / sqrt(mean(y^2) + eps), statistics in float32; scale starts at 1.
+
+    With ``repair_cap``, the backward signal reaching y is repaired (``postnorm.model.repair``)
+    with that cap and ``repair_threshold``.
+    """
 
     eps: float
+    repair_cap: float | None = None
+    repair_threshold: float = 1.0
 
     @nn.compact
     def __call__(self, y_BxLxD: jax.Array) -> jax.Array:
         d = y_BxLxD.shape[-1]
         scale_D = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
                              (d,), jnp.float32)
+        if self.repair_cap is not None:
+            y_BxLxD = repaired(y_BxLxD, scale_D, self.eps, self.repair_cap, self.repair_threshold)
         y32 = y_BxLxD.astype(jnp.float32)
         inv_rms = jax.lax.rsqrt(jnp.mean(y32 * y32, axis=-1, keepdims=True) + self.eps)
         return (y32 * inv_rms * scale_D).astype(y_BxLxD.dtype)
@@ -94,12 +103,15 @@ class ResidualNorm(nn.Module):
     multiplies F per token by the largest beta in [0, 1] that meets it (in the graph,
     differentiated through), ``penalty`` sows the hinge
     mean(max(0, (||y||^2 / d + eps) / rms(scale)^2 - 1 / budget_c^2)) into ``BUDGET_COLLECTION``
-    for the objective. Returns the norm's output and y.
+    for the objective. Returns the norm's output and y. ``repair_cap`` and ``repair_threshold``:
+    as ``RMSNorm``'s, on y.
     """
 
     eps: float
     budget: str = "none"
     budget_c: float = 0.9
+    repair_cap: float | None = None
+    repair_threshold: float = 1.0
 
     @nn.compact
     def __call__(self, skip_BxLxD: jax.Array, branch_BxLxD: jax.Array
@@ -113,6 +125,8 @@ class ResidualNorm(nn.Module):
                                        d * (gain_sq / self.budget_c**2 - self.eps))
             branch_BxLxD = branch_BxLxD * beta.astype(branch_BxLxD.dtype)
         y_BxLxD = skip_BxLxD + branch_BxLxD
+        if self.repair_cap is not None:
+            y_BxLxD = repaired(y_BxLxD, scale_D, self.eps, self.repair_cap, self.repair_threshold)
         y32 = y_BxLxD.astype(jnp.float32)
         mean_sq = jnp.mean(y32 * y32, axis=-1, keepdims=True)
         if self.budget == "penalty":

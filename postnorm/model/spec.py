@@ -5,6 +5,8 @@ import dataclasses
 import jax.numpy as jnp
 import ml_collections
 
+from postnorm.model.repair import GradRepair
+
 POSITION_SCHEMES = ("rope", "learned", "none")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -43,14 +45,17 @@ class ModelSpec:
     # W_O's init gain, solved by the similarity-aware init (postnorm.model.similarity_init)
     # when model.init_tsim_target is set; not a config field
     attn_out_gain: float = 1.0
+    # gradient repair's rule at every residual norm (train.grad_repair; postnorm.model.repair),
+    # None when off; not a model.* field
+    grad_repair: GradRepair | None = None
 
     @classmethod
     def from_config(cls, model_cfg: ml_collections.ConfigDict | dict, *, vocab_size: int,
-                    max_len: int) -> "ModelSpec":
+                    max_len: int, grad_repair: GradRepair | None = None) -> "ModelSpec":
         fields = {f.name for f in dataclasses.fields(cls)} - {"vocab_size", "max_len",
-                                                               "attn_out_gain"}
+                                                               "attn_out_gain", "grad_repair"}
         values = {k: model_cfg[k] for k in fields if k in model_cfg}
         if values.get("attention") == "auto":
             raise ValueError("model.attention='auto' names no kernel: resolve it first "
                              "(postnorm.train.programs.resolve_attention)")
-        return cls(vocab_size=vocab_size, max_len=max_len, **values)
+        return cls(vocab_size=vocab_size, max_len=max_len, grad_repair=grad_repair, **values)

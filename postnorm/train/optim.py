@@ -1,4 +1,5 @@
-"""AdamW with linear warmup then cosine or constant learning rate, optional clipping.
+"""AdamW (or SGD with momentum, a control for methods that act on gradients) with linear warmup
+then cosine or constant learning rate, optional clipping.
 
 Weight decay applies to the weight matrices only; norm gains, token and position embeddings
 are excluded unless ``opt.decay_norms_and_embeddings`` is set.
@@ -9,6 +10,7 @@ import ml_collections
 import optax
 
 NO_DECAY_NAMES = ("scale", "embedding", "pos_embedding")
+OPTIMIZERS = ("adamw", "sgd")
 
 
 def learning_rate_schedule(opt_cfg: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
@@ -36,10 +38,16 @@ def make_optimizer(opt_cfg: ml_collections.ConfigDict,
                    total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """The optimizer and its schedule (the schedule is also logged as ``train/lr``)."""
     schedule = learning_rate_schedule(opt_cfg, total_steps)
-    adamw = optax.adamw(
-        schedule, b1=opt_cfg.b1, b2=opt_cfg.b2, eps=opt_cfg.eps,
-        weight_decay=opt_cfg.weight_decay,
-        mask=lambda params: weight_decay_mask(params, opt_cfg.decay_norms_and_embeddings))
+
+    def mask(params):
+        return weight_decay_mask(params, opt_cfg.decay_norms_and_embeddings)
+
+    if opt_cfg.optimizer == "sgd":  # weight decay as PyTorch's SGD: wd * w joins the gradient
+        tx = optax.chain(optax.add_decayed_weights(opt_cfg.weight_decay, mask),
+                         optax.sgd(schedule, momentum=opt_cfg.momentum))
+    else:
+        tx = optax.adamw(schedule, b1=opt_cfg.b1, b2=opt_cfg.b2, eps=opt_cfg.eps,
+                         weight_decay=opt_cfg.weight_decay, mask=mask)
     if opt_cfg.clip_norm > 0:
-        return optax.chain(optax.clip_by_global_norm(opt_cfg.clip_norm), adamw), schedule
-    return adamw, schedule
+        return optax.chain(optax.clip_by_global_norm(opt_cfg.clip_norm), tx), schedule
+    return tx, schedule

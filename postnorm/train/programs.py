@@ -17,6 +17,7 @@ from postnorm.config.schema import ConfigError
 from postnorm.model import PLACEMENTS, Decoder, ModelSpec, param_counts
 from postnorm.model.attention_choice import AUTO, choose_attention, unrunnable
 from postnorm.model.layers import ATTENTION_KERNELS
+from postnorm.model.repair import grad_repair_from_config
 from postnorm.model.similarity_init import with_similarity_init
 from postnorm.runtime.mesh import batch_sharding, make_mesh, mesh_shape, tree_shardings
 from postnorm.runtime.multihost import from_process_0, stop_together
@@ -91,7 +92,8 @@ def compile_steps(spec: ModelSpec, tx: optax.GradientTransformation, schedule: o
                   in_shardings=(shardings, batch_shardings),
                   out_shardings=(shardings, replicated), donate_argnums=0),
         diag=jit(with_update_norms(guard(functools.partial(diag_step, schedule=schedule,
-                                                           loss=loss, placement=placement),
+                                                           loss=loss, placement=placement,
+                                                           repair=spec.grad_repair is not None),
                                          halt=halt_on_nonfinite)),
                  in_shardings=(shardings, batch_shardings),
                  out_shardings=(shardings, replicated, replicated), donate_argnums=0),
@@ -167,8 +169,14 @@ def build_programs(config: ml_collections.ConfigDict, vocab_size: int, *,
         xla_options = compiler_options(config.runtime.xla_options)
     config = resolve_attention(config, recorded_attention, xla_options)
     spec = with_similarity_init(
-        ModelSpec.from_config(config.model, vocab_size=vocab_size, max_len=config.data.seq_len),
+        ModelSpec.from_config(config.model, vocab_size=vocab_size, max_len=config.data.seq_len,
+                              grad_repair=grad_repair_from_config(config.train)),
         config.model.init_tsim_target, config.model.init_tsim_input)
+    if spec.grad_repair is not None:
+        logging.info("gradient repair: factor min(1/c, %.4f) per residual norm where c < %g "
+                     "(train.grad_repair_max=%g over the stack)",
+                     spec.grad_repair.sublayer_cap(spec.n_layers), spec.grad_repair.threshold,
+                     spec.grad_repair.max_total)
     if config.model.init_tsim_target:
         logging.info("similarity-aware init: W_O gain %.4f (the mean-field recursion's tsim "
                      "<= model.init_tsim_target=%g from input tsim %g)", spec.attn_out_gain,

@@ -51,16 +51,22 @@ def train_step(state: TrainState, batch: Batch, schedule: optax.Schedule,
 
 
 def diag_step(state: TrainState, batch: Batch, schedule: optax.Schedule, loss: Loss,
-              placement: PlacementControl | None = None
+              placement: PlacementControl | None = None, repair: bool = False
               ) -> tuple[TrainState, dict[str, jax.Array], dict[str, jax.Array]]:
     """One optimizer step, identical to ``train_step``, plus the diagnostics of this batch
     (the update norms are added after the non-finite guard: ``with_update_norms``). With
-    ``placement``, lambda then moves by this step's statistics, and is reported per layer."""
+    ``placement``, lambda then moves by this step's statistics, and is reported per layer.
+
+    With ``repair`` (the model repairs its gradient: ``postnorm.model.repair``) a second
+    backward pass without it gives the loss's own gradient: the taps' ``dldx_*`` are of that
+    one, ``repaired_dldx_*`` of the repaired signal the update used, and ``repair_cos`` is the
+    cosine of the two parameter gradients per layer (``repair_cos_all``: over every parameter).
+    """
     n_layers = jax.tree.leaves(state.params["layers"])[0].shape[0]
 
-    def objective_fn(params, probes):
+    def objective_fn(params, probes, **apply_kwargs):
         (logits, forward), sown = state.apply_fn({"params": params}, batch["inputs"],
-                                                 probes=probes, **_mix(state),
+                                                 probes=probes, **_mix(state), **apply_kwargs,
                                                  mutable=[BUDGET_COLLECTION])
         objective, parts = loss(logits, batch["targets"], sown)
         return objective, (forward, parts)
@@ -68,7 +74,14 @@ def diag_step(state: TrainState, batch: Batch, schedule: optax.Schedule, loss: L
     (objective, (forward, parts)), (grads, probe_grads) = jax.value_and_grad(
         objective_fn, argnums=(0, 1), has_aux=True)(state.params, zero_probes(n_layers))
     new_state = state.apply_gradients(grads=grads)
-    diagnostics = gather_diagnostics(forward, probe_grads, state, grads)
+    if repair:
+        _, (true_grads, true_probe_grads) = jax.value_and_grad(
+            functools.partial(objective_fn, repair=False), argnums=(0, 1), has_aux=True)(
+            state.params, zero_probes(n_layers))
+        diagnostics = gather_diagnostics(forward, true_probe_grads, state, grads)
+        diagnostics.update(repair_diagnostics(probe_grads, grads, true_grads))
+    else:
+        diagnostics = gather_diagnostics(forward, probe_grads, state, grads)
     if getattr(state, "post_mix", None) is not None:
         diagnostics["post_mix_attn"] = state.post_mix[:, 0]  # the lambda this step ran with
         diagnostics["post_mix_ffn"] = state.post_mix[:, 1]
@@ -105,18 +118,50 @@ def update_norms(state: TrainState, new_state: TrainState) -> dict[str, jax.Arra
     return {f"update_norm_{group}": norms for group, norms in layer_norms(updates).items()}
 
 
+def tap_norms(probe_grads: dict[str, jax.Array], prefix: str = "") -> dict[str, jax.Array]:
+    """The taps' statistics as norms, ``<prefix><name>_<attn|ffn|final>``."""
+    norms = jax.tree.map(jnp.sqrt, probe_grads)  # squared statistics -> Frobenius norms
+    out = {}
+    for s, name in enumerate(TAP_NORM_NAMES):
+        out[f"{prefix}{name}_attn"] = norms["layers"][:, 0, s]
+        out[f"{prefix}{name}_ffn"] = norms["layers"][:, 1, s]
+        out[f"{prefix}{name}_final"] = norms["final"][s]
+    return out
+
+
 @in_stats_scope
 def gather_diagnostics(forward: dict[str, jax.Array], probe_grads: dict[str, jax.Array],
                        state: TrainState, grads) -> dict[str, jax.Array]:
     """The forward statistics, the taps' gradient norms and the per-layer parameter and
     gradient norms of one step (its update norms: ``with_update_norms``)."""
-    diagnostics = dict(forward)
-    tap_norms = jax.tree.map(jnp.sqrt, probe_grads)  # squared statistics -> Frobenius norms
-    for s, name in enumerate(TAP_NORM_NAMES):
-        diagnostics[f"{name}_attn"] = tap_norms["layers"][:, 0, s]
-        diagnostics[f"{name}_ffn"] = tap_norms["layers"][:, 1, s]
-        diagnostics[f"{name}_final"] = tap_norms["final"][s]
+    diagnostics = {**forward, **tap_norms(probe_grads)}
     for prefix, tree in (("param_norm", state.params["layers"]), ("grad_norm", grads["layers"])):
         for group, norms in layer_norms(tree).items():
             diagnostics[f"{prefix}_{group}"] = norms
     return diagnostics
+
+
+def _per_layer_dot(a, b) -> jax.Array:
+    """sum over each layer's parameters of a * b: [n_layers]."""
+    return sum(jnp.sum((x * y).astype(jnp.float32), axis=tuple(range(1, x.ndim)))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+def _tree_dot(a, b) -> jax.Array:
+    return sum(jnp.sum((x * y).astype(jnp.float32))
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+@in_stats_scope
+def repair_diagnostics(repaired_probe_grads: dict[str, jax.Array], repaired, true
+                       ) -> dict[str, jax.Array]:
+    """The repaired signal's tap norms, the true gradient's per-layer norms and the cosine of
+    the repaired and the true parameter gradient, per layer and over every parameter."""
+    out = tap_norms(repaired_probe_grads, prefix="repaired_")
+    for group, norms in layer_norms(true["layers"]).items():
+        out[f"true_grad_norm_{group}"] = norms
+    a, b = repaired["layers"], true["layers"]
+    out["repair_cos"] = _per_layer_dot(a, b) / jnp.sqrt(_per_layer_dot(a, a) * _per_layer_dot(b, b))
+    out["repair_cos_all"] = _tree_dot(repaired, true) / jnp.sqrt(
+        _tree_dot(repaired, repaired) * _tree_dot(true, true))
+    return out

@@ -20,6 +20,7 @@ from postnorm.runtime.allocator import ALLOCATORS
 from postnorm.runtime.mesh import mesh_shape
 from postnorm.runtime.xla_options import XlaOptionsError, parse_xla_options
 from postnorm.theory import INIT_SCHEMES
+from postnorm.train.optim import OPTIMIZERS
 from postnorm.train.state import NONFINITE_POLICIES
 
 SCHEDULES = ("cosine", "constant")
@@ -123,6 +124,8 @@ def check_model(config: ml_collections.ConfigDict) -> None:
 
 
 def check_opt(config: ml_collections.ConfigDict) -> None:
+    _one_of(config, "opt.optimizer", OPTIMIZERS)
+    _require(config, "opt.momentum", lambda v: _is_num(v) and 0 <= v < 1, "in [0, 1)")
     _require(config, "opt.lr", lambda v: _is_num(v) and v > 0, "a number > 0")
     _one_of(config, "opt.schedule", SCHEDULES)
     _require(config, "opt.warmup_steps", lambda v: _is_int(v) and v >= 0, "an integer >= 0")
@@ -154,6 +157,11 @@ def check_train(config: ml_collections.ConfigDict) -> None:
              "in (0, 1]")
     for path in ("train.placement_rate_down", "train.placement_rate_up"):
         _require(config, path, lambda v: _is_num(v) and 0 <= v <= 1, "in [0, 1]")
+    _require(config, "train.grad_repair", lambda v: isinstance(v, bool), "true or false")
+    _require(config, "train.grad_repair_max", lambda v: _is_num(v) and v >= 1,
+             "a number >= 1 (the most the factors may multiply to over the stack)")
+    _require(config, "train.grad_repair_threshold", lambda v: _is_num(v) and v > 0,
+             "a number > 0 (the contraction c under which a token is repaired)")
     # the data pipeline's shuffle seeds (seed + epoch) must fit in 32 bits
     _require(config, "seed", lambda v: _is_int(v) and 0 <= v < 2**31, "an integer in [0, 2**31)")
 
