@@ -164,7 +164,7 @@ def test_a_config_or_metrics_file_of_the_wrong_shape_is_a_clear_error(tmp_path):
     config["train"] = None
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(WorkdirConfigError, match="config.json does not hold a config .* each "
-                       "of model, data, opt, train, diag, runtime, mesh it has an object"):
+                       "of model, data, opt, train, diag, monitor, runtime, mesh it has an object"):
         report.build_report(str(tmp_path))
     write_run(tmp_path)
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()

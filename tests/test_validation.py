@@ -67,6 +67,8 @@ CASES = [
     ("opt.weight_decay", -0.1, "must be a number >= 0"),
     ("opt.clip_norm", -1.0, "must be a number >= 0"),
     ("opt.z_loss", -1e-4, "must be a number >= 0"),
+    ("monitor.warn_persistence", 0, POSITIVE_INT),
+    ("monitor.warn_loss_rtol", -0.1, "must be a number > 0"),
     ("opt.optimizer", "lion", r"must be one of \['adamw', 'sgd'\]"),
     ("opt.momentum", 1.0, r"must be in \[0, 1\)"),
     ("train.grad_repair", 1, "must be true or false"),

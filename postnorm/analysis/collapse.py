@@ -28,21 +28,22 @@ import dataclasses
 
 import numpy as np
 
-from postnorm.workdir.metrics import MetricsFileError, layer_series
+from postnorm.diagnostics.early_warning import (
+    DEFAULT_MONITOR,
+    DEFAULT_RULE,
+    Alarm,
+    CollapseRule,
+    MonitorRule,
+    MonitorState,
+    loss_and_floor_at,
+    near_floor,
+    replay,
+    similar_fraction,
+)
+from postnorm.workdir.metrics import layer_series, lfreq_of, train_loss_and_floor
 
-
-@dataclasses.dataclass(frozen=True)
-class CollapseRule:
-    """Thresholds of the collapse criterion (see the module docstring)."""
-
-    tsim_threshold: float = 0.99
-    layer_fraction: float = 0.5
-    loss_rtol: float = 0.05
-    loss_smoothing: int = 3
-    early_layers: int = 4
-
-
-DEFAULT_RULE = CollapseRule()
+__all__ = ["DEFAULT_RULE", "Collapse", "CollapseRule", "detect_collapse", "lfreq_of",
+           "loss_and_floor_at", "replay_monitor", "train_loss_and_floor"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,38 +71,6 @@ class Collapse:
         return {**dataclasses.asdict(self), "window": self.window}
 
 
-def train_loss_and_floor(records: list[dict]) -> list[tuple[int, float, float]]:
-    """(step, train loss, frequency floor of that batch) per logged train step, in step order;
-    the loss is the cross-entropy (``train/ce``) where the objective logged other terms beside
-    it, and the floor is L_freq where the records hold none."""
-    lfreq = lfreq_of(records)
-    return sorted((int(r["step"]), float(r.get("train/ce", r["train/loss"])),
-                   float(r.get("train/freq_floor", lfreq)))
-                  for r in records if "train/loss" in r)
-
-
-def loss_and_floor_at(train_S: list[tuple[int, float, float]], step: int,
-                      smoothing: int) -> tuple[float, float]:
-    """Means of the last ``smoothing`` train losses logged at or before ``step`` and of their
-    batches' floors (NaN if none)."""
-    before = [(loss, floor) for s, loss, floor in train_S if s <= step][-smoothing:]
-    if not before:
-        return float("nan"), float("nan")
-    loss, floor = np.mean(before, axis=0)
-    return float(loss), float(floor)
-
-
-def lfreq_of(records: list[dict]) -> float:
-    """L_freq as logged with the train (or else the eval) metrics."""
-    for key in ("train/lfreq", "eval/lfreq"):
-        for record in records:
-            if key in record:
-                return float(record[key])
-    raise MetricsFileError("metrics.jsonl holds no train/lfreq or eval/lfreq record, which the "
-                           "trainer logs with every train step and eval: it was not written by "
-                           "the trainer, or was edited; restore it or train again")
-
-
 def detect_collapse(records: list[dict], rule: CollapseRule = DEFAULT_RULE) -> Collapse:
     """Apply ``rule`` to a run's metric records (``postnorm.workdir.metrics.read_metrics``)."""
     series = layer_series(records)
@@ -110,12 +79,11 @@ def detect_collapse(records: list[dict], rule: CollapseRule = DEFAULT_RULE) -> C
     steps_S, tsim_LxS = series["tsim_attn"]
     train_S = train_loss_and_floor(records)
     hit_LxS = tsim_LxS >= rule.tsim_threshold
-    fraction_S = hit_LxS.mean(axis=0)
+    fraction_S = similar_fraction(tsim_LxS, rule)
     losses_Sx2 = np.array([loss_and_floor_at(train_S, int(s), rule.loss_smoothing)
                            for s in steps_S]).reshape(-1, 2)
     loss_S, floor_S = losses_Sx2[:, 0], losses_Sx2[:, 1]
-    near_floor_S = np.abs(loss_S - floor_S) <= rule.loss_rtol * floor_S
-    meets_S = (fraction_S >= rule.layer_fraction) & near_floor_S
+    meets_S = (fraction_S >= rule.layer_fraction) & near_floor(loss_S, floor_S, rule.loss_rtol)
 
     first_hit = _first(steps_S, meets_S)
     similar = _first(steps_S, fraction_S >= rule.layer_fraction)
@@ -151,3 +119,14 @@ def _first(steps_S: np.ndarray, mask_S: np.ndarray) -> int | None:
 def _column(steps_S: np.ndarray, step: int) -> int:
     (index,) = np.flatnonzero(steps_S == step)
     return int(index)
+
+
+def replay_monitor(records: list[dict], rule: MonitorRule = DEFAULT_MONITOR,
+                   until_step: int | None = None) -> tuple[list[Alarm], MonitorState]:
+    """The early-warning monitor's alarm at every diagnostic step of a run's records (up to
+    ``until_step``), read as the live monitor reads them, and its state after the last."""
+    series = layer_series(records)
+    if "tsim_attn" not in series:
+        return [], MonitorState()
+    steps_S, tsim_LxS = series["tsim_attn"]
+    return replay(steps_S, tsim_LxS, train_loss_and_floor(records), rule, until_step)

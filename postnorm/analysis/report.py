@@ -15,10 +15,12 @@ from postnorm.analysis.collapse import (
     detect_collapse,
     lfreq_of,
     loss_and_floor_at,
+    replay_monitor,
     train_loss_and_floor,
 )
 from postnorm.analysis.collapse_figures import render_collapse_figures
 from postnorm.analysis.figures import plot_heatmaps
+from postnorm.diagnostics.early_warning import monitor_rule_from
 from postnorm.files import from_text, replace_file
 from postnorm.workdir.config_record import read_run_config
 from postnorm.workdir.layout import Workdir
@@ -67,6 +69,14 @@ def run_warnings(workdir: str, records: list[dict], collapse: Collapse | None,
             f"train loss is within {rule.loss_rtol:.0%} of the frequency floor of its batches "
             f"(L_freq on average); transition window "
             f"{list(collapse.window)} (onset = first layer with tsim >= {rule.tsim_threshold}).")
+    if collapse is not None:
+        alarms, monitor = replay_monitor(records, monitor_rule_from(config.get("monitor")))
+        if monitor.first_warn is not None:
+            lead = (f", {collapse.collapse_step - monitor.first_warn} steps before the collapse "
+                    "step" if collapse.collapsed else "; the run did not collapse by the rule")
+            reason = next(a.reason for a in alarms if a.level == 2)
+            warnings.append(f"Collapse early warning (warn) from step {monitor.first_warn}"
+                            f"{lead}: {reason}.")
     losses = [r["train/loss"] for r in records if "train/loss" in r]
     if any(not math.isfinite(v) for v in losses):
         warnings.append("Non-finite train loss values were logged.")

@@ -31,7 +31,8 @@ DEFAULTS_KEEP_EARLIER_RUNS = ("model.qk_norm", "model.mixln_post_fraction",
                               "train.placement_rate_down", "train.placement_rate_up",
                               "opt.z_loss", "opt.diversity_weight", "opt.diversity_cap",
                               "train.grad_repair", "train.grad_repair_max",
-                              "train.grad_repair_threshold", "opt.optimizer", "opt.momentum")
+                              "train.grad_repair_threshold", "opt.optimizer", "opt.momentum",
+                              "monitor.warn_persistence", "monitor.warn_loss_rtol")
 
 # Sections an evaluation of a checkpoint must share with the run that trained it, and the
 # fields of them it may still choose.

@@ -7,7 +7,7 @@ import ml_collections
 from postnorm.config.identity import config_data, flatten_fields
 from postnorm.errors import UserError
 
-SECTIONS = ("model", "data", "opt", "train", "diag", "runtime", "mesh")
+SECTIONS = ("model", "data", "opt", "train", "diag", "monitor", "runtime", "mesh")
 
 
 class ConfigError(UserError, ValueError):
@@ -123,6 +123,14 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.diag = ml_collections.ConfigDict()
     c.diag.every = 10  # diag_step (per-layer statistics) runs at step 1 and every `every` steps
+
+    # the collapse early-warning monitor (postnorm.diagnostics.early_warning), at every
+    # diagnostic step, with the collapse rule's thresholds: watch when a layer's tsim reaches
+    # 0.99; warn when >= half the layers have for warn_persistence diagnostic steps in a row and
+    # the loss is within warn_loss_rtol of its batches' frequency floor
+    c.monitor = ml_collections.ConfigDict()
+    c.monitor.warn_persistence = 2
+    c.monitor.warn_loss_rtol = 0.25
 
     c.runtime = ml_collections.ConfigDict()
     # auto | system | tcmalloc: tcmalloc (preloaded by re-executing the command) keeps XLA's

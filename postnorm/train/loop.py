@@ -9,6 +9,7 @@ from absl import logging
 from clu import parameter_overview
 
 from postnorm.data import LMData
+from postnorm.diagnostics.early_warning import monitor_rule_from
 from postnorm.errors import NonFiniteError
 from postnorm.files import write_json_atomic
 from postnorm.runtime.mesh import batch_sharding
@@ -103,7 +104,8 @@ def _train_holding_the_lock(config: ml_collections.ConfigDict, workdir: str) -> 
         if jax.process_index() == 0:
             parameter_overview.log_parameter_overview(state.params)
         reporter = Reporter(workdir, config.data.batch_size * config.data.seq_len,
-                            config.train.steps, exp.data.lfreq)
+                            config.train.steps, exp.data.lfreq,
+                            monitor_rule_from(config.monitor))
         try:
             reporter.restart(start, int(state.skipped_steps))
             watch = PreemptionWatch(start)

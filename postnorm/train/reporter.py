@@ -1,12 +1,23 @@
-"""The loop's reporting: step rate and ETA, and each step's metrics fetched one step late."""
+"""The loop's reporting: step rate and ETA, each step's metrics fetched one step late, and the
+collapse early-warning monitor's reading of every diagnostic step."""
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator, Mapping
 
 import jax
 from absl import logging
 
+from postnorm.diagnostics.early_warning import (
+    DEFAULT_MONITOR,
+    Alarm,
+    MonitorRule,
+    MonitorState,
+    assess,
+    loss_and_floor_at,
+    replay,
+)
 from postnorm.runtime.multihost import stop_together
 from postnorm.train.experiment import unusable_elsewhere
 from postnorm.train.state import GuardedState
@@ -15,6 +26,9 @@ from postnorm.workdir.metrics import (
     MetricsWriteError,
     MetricWriter,
     flatten_diagnostics,
+    layer_series,
+    read_jsonl,
+    train_loss_and_floor,
     truncate_jsonl,
 )
 
@@ -66,12 +80,45 @@ def open_metrics(workdir: str, last_step: int) -> MetricWriter:
     return MetricWriter(workdir, enabled=writer, after_step=last_step)
 
 
-class Reporter:
-    """Fetches held device metrics one step late, then logs and writes them."""
+class Monitor:
+    """The early-warning monitor over the run's logged train losses and diagnostic steps, as
+    ``postnorm.analysis.collapse.replay_monitor`` reads them from ``metrics.jsonl``: on a
+    (re)start its state is rebuilt by replaying the records kept, so that a resumed run reads
+    every later step as an uninterrupted one would."""
 
-    def __init__(self, workdir: str, tokens_per_step: int, total_steps: int, lfreq: float):
+    def __init__(self, rule: MonitorRule, records: list[dict]):
+        self.rule = rule
+        self.train_S = train_loss_and_floor(records) if records else []
+        series = layer_series(records)
+        self.state, self.last = MonitorState(), None
+        if "tsim_attn" in series:
+            alarms, self.state = replay(*series["tsim_attn"], self.train_S, rule)
+            self.last = alarms[-1] if alarms else None
+
+    def log_train(self, step: int, loss: float, floor: float) -> None:
+        self.train_S.append((step, loss, floor))
+
+    def read(self, step: int, tsim_L) -> Alarm:
+        """The alarm of diagnostic step ``step``; logged when its level differs from the last."""
+        loss, floor = loss_and_floor_at(self.train_S, step, self.rule.collapse.loss_smoothing)
+        alarm, self.state = assess(step, tsim_L, loss, floor, self.state, self.rule)
+        if alarm.level != (self.last.level if self.last else 0):
+            log = logging.warning if alarm.level else logging.info
+            log("collapse early warning at step %d: %s%s", step, alarm.name.upper(),
+                f": {alarm.reason}" if alarm.reason else " (cleared)")
+        self.last = alarm
+        return alarm
+
+
+class Reporter:
+    """Fetches held device metrics one step late, then logs and writes them (process 0 writes),
+    with the monitor's reading of each diagnostic step (``monitor/*``)."""
+
+    def __init__(self, workdir: str, tokens_per_step: int, total_steps: int, lfreq: float,
+                 monitor_rule: MonitorRule = DEFAULT_MONITOR):
         self.workdir, self.tokens_per_step = workdir, tokens_per_step
         self.total_steps, self.lfreq = total_steps, lfreq
+        self.monitor_rule = monitor_rule
         self.final: dict[str, float] = {}
         self.writer: MetricWriter | None = None
         self.saw_skip = False  # the last fetched metrics counted more skipped steps than before
@@ -79,11 +126,14 @@ class Reporter:
 
     def restart(self, step: int, skipped_steps: int) -> None:
         """(Re)start after ``step``, whose state has skipped ``skipped_steps`` steps: the
-        records of later steps are dropped."""
+        records of later steps are dropped, and the monitor reads the ones kept."""
         self.close()
         self.writer = open_metrics(self.workdir, step)
         self.progress = Progress(self.total_steps, self.tokens_per_step, step)
         self.saw_skip, self._held, self._skipped = False, None, skipped_steps
+        path = Workdir(self.workdir).metrics
+        records = read_jsonl(path) if jax.process_index() == 0 and os.path.exists(path) else []
+        self.monitor = Monitor(self.monitor_rule, records)
 
     @contextlib.contextmanager
     def excluded(self, state: GuardedState) -> Iterator[None]:
@@ -121,8 +171,14 @@ class Reporter:
             if self.saw_skip:
                 logging.warning("%d steps skipped so far: non-finite loss or gradient", skipped)
             self._skipped = skipped
+            self.monitor.log_train(step, scalars.get("train/ce", scalars["train/loss"]),
+                                   floor)
         if device_diag is not None:
-            scalars.update(flatten_diagnostics(jax.device_get(device_diag)))
+            diagnostics = jax.device_get(device_diag)
+            scalars.update(flatten_diagnostics(diagnostics))
+            alarm = self.monitor.read(step, diagnostics["tsim_attn"])
+            scalars.update({"monitor/level": alarm.level,
+                            "monitor/similar_fraction": alarm.fraction})
         self._write(step, scalars)
         self.final.update(scalars)
 

@@ -162,6 +162,8 @@ def check_train(config: ml_collections.ConfigDict) -> None:
              "a number >= 1 (the most the factors may multiply to over the stack)")
     _require(config, "train.grad_repair_threshold", lambda v: _is_num(v) and v > 0,
              "a number > 0 (the contraction c under which a token is repaired)")
+    _positive_int(config, "monitor.warn_persistence")
+    _require(config, "monitor.warn_loss_rtol", lambda v: _is_num(v) and v > 0, "a number > 0")
     # the data pipeline's shuffle seeds (seed + epoch) must fit in 32 bits
     _require(config, "seed", lambda v: _is_int(v) and 0 <= v < 2**31, "an integer in [0, 2**31)")
 

@@ -100,6 +100,8 @@ def recorded_config(workdir: str) -> ml_collections.ConfigDict:
     for field in DEFAULTS_KEEP_EARLIER_RUNS:
         if field not in old:
             section, name = field.split(".")
+            if section not in config:  # a section added since the record
+                config[section] = ml_collections.ConfigDict()
             config[section][name] = default[field]
     return config
 

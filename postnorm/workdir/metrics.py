@@ -234,3 +234,24 @@ def read_metrics(workdir: str) -> list[dict]:
         logging.warning("%s ends in an unfinished line of %d bytes (a record being written, or "
                         "one its writer was stopped in), left out", path, unfinished)
     return records
+
+
+def train_loss_and_floor(records: list[dict]) -> list[tuple[int, float, float]]:
+    """(step, train loss, frequency floor of that batch) per logged train step, in step order;
+    the loss is the cross-entropy (``train/ce``) where the objective logged other terms beside
+    it, and the floor is L_freq where the records hold none."""
+    lfreq = lfreq_of(records)
+    return sorted((int(r["step"]), float(r.get("train/ce", r["train/loss"])),
+                   float(r.get("train/freq_floor", lfreq)))
+                  for r in records if "train/loss" in r)
+
+
+def lfreq_of(records: list[dict]) -> float:
+    """L_freq as logged with the train (or else the eval) metrics."""
+    for key in ("train/lfreq", "eval/lfreq"):
+        for record in records:
+            if key in record:
+                return float(record[key])
+    raise MetricsFileError("metrics.jsonl holds no train/lfreq or eval/lfreq record, which the "
+                           "trainer logs with every train step and eval: it was not written by "
+                           "the trainer, or was edited; restore it or train again")

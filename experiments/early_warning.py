@@ -1,0 +1,131 @@
+"""Replay the collapse early-warning monitor over recorded runs: lead time and false alarms.
+
+    python -m experiments.early_warning --runs DIR[,DIR...] [--out FILE.md] [--json FILE]
+    python -m experiments.early_warning --runs_under runs/leaderboard   # every run below it
+
+For each run (a directory with ``metrics.jsonl``) it replays the monitor
+(``postnorm.diagnostics.early_warning``) over the recorded diagnostic steps, as the live monitor
+reads them, and sets its first watch and first warn beside the collapse detector's verdict on the
+same records. Lead time = collapse step - first warn (in steps and in diagnostic intervals) on a
+collapsing run; a warn on a run that did not collapse is a false alarm. Prints one JSON line per
+run and a markdown table of the finished runs with the totals (written to ``--out`` when given).
+"""
+
+import glob
+import json
+import os
+
+from absl import app, flags, logging
+
+from configs.sweeps.leaderboard import METHOD_FIELDS, method_of
+from postnorm.analysis.collapse import detect_collapse, replay_monitor
+from postnorm.analysis.tables import cell, markdown_table
+from postnorm.diagnostics.early_warning import DEFAULT_MONITOR
+from postnorm.errors import UserError, exit_on_error
+from postnorm.files import write_bytes_atomic, write_json_atomic
+from postnorm.workdir.config_record import recorded_config
+from postnorm.workdir.metrics import read_metrics
+
+flags.DEFINE_list("runs", [], "Run directories.")
+flags.DEFINE_list("runs_under", [], "Directories whose every run (a metrics.jsonl below them) is "
+                  "replayed.")
+flags.DEFINE_string("out", None, "Write the markdown table here.")
+flags.DEFINE_string("json", None, "Write every run's row here as JSON.")
+FLAGS = flags.FLAGS
+
+
+class NoRunsError(UserError):
+    """No run directory was given or found."""
+
+
+def method_label(config: dict) -> str:
+    """The leaderboard's name for the run's method, or its ``model.norm``."""
+    fields = {}
+    for path in METHOD_FIELDS:
+        section, name = path.split(".")
+        if name in config.get(section, {}):
+            fields[path] = config[section][name]
+    try:
+        return method_of(fields)
+    except ValueError:
+        return config["model"]["norm"]
+
+
+def run_row(workdir: str) -> dict:
+    """The monitor's replay and the detector's verdict on one run."""
+    records = read_metrics(workdir)
+    config = recorded_config(workdir)
+    collapse = detect_collapse(records)
+    alarms, state = replay_monitor(records)
+    steps = collapse.diag_steps
+    interval = steps[2] - steps[1] if len(steps) > 2 else None  # step 1, then every diag.every
+    lead = (collapse.collapse_step - state.first_warn
+            if collapse.collapsed and state.first_warn is not None else None)
+    return {
+        "workdir": workdir, "finished": max(r["step"] for r in records) >= config["train"]["steps"],
+        "method": method_label(config),
+        "n_layers": config["model"]["n_layers"], "lr": config["opt"]["lr"],
+        "warmup_steps": config["opt"]["warmup_steps"], "seed": config["seed"],
+        "collapsed": collapse.collapsed, "collapse_step": collapse.collapse_step,
+        "onset_step": collapse.onset_step, "first_watch": state.first_watch,
+        "first_warn": state.first_warn, "lead_steps": lead,
+        "lead_intervals": None if lead is None or not interval else lead / interval,
+        "missed": collapse.collapsed and (lead is None or lead <= 0),
+        "false_alarm": not collapse.collapsed and state.first_warn is not None,
+        "warn_reason": next((a.reason for a in alarms if a.level == 2), ""),
+    }
+
+
+def find_runs(roots: list[str]) -> list[str]:
+    """Every directory below ``roots`` holding a ``metrics.jsonl``."""
+    return sorted(os.path.dirname(p) for root in roots
+                  for p in glob.glob(os.path.join(root, "**", "metrics.jsonl"), recursive=True))
+
+
+def markdown(rows: list[dict]) -> str:
+    header = ["method", "layers", "lr", "warmup", "seed", "collapsed", "collapse step",
+              "first watch", "first warn", "lead (steps)", "lead (intervals)", "false alarm"]
+    body = [[r["method"], str(r["n_layers"]),
+             cell(r["lr"]), str(r["warmup_steps"]), str(r["seed"]),
+             "yes" if r["collapsed"] else "no", cell(r["collapse_step"]), cell(r["first_watch"]),
+             cell(r["first_warn"]), cell(r["lead_steps"]), cell(r["lead_intervals"], ".3g"),
+             "yes" if r["false_alarm"] else ""] for r in rows]
+    collapsing = [r for r in rows if r["collapsed"]]
+    quiet = [r for r in rows if not r["collapsed"]]
+    leads = sorted(r["lead_steps"] for r in collapsing if r["lead_steps"] is not None)
+    rule = DEFAULT_MONITOR
+    totals = (f"\n{len(collapsing)} collapsing runs: {sum(not r['missed'] for r in collapsing)} "
+              f"warned before the collapse step, lead time "
+              f"{f'{leads[0]}-{leads[-1]} steps' if leads else 'none'}; "
+              f"{len(quiet)} runs that did not collapse: "
+              f"{sum(r['false_alarm'] for r in quiet)} false alarms (warn). Rule: tsim >= "
+              f"{rule.collapse.tsim_threshold} in >= {rule.collapse.layer_fraction:.0%} of the "
+              f"layers for {rule.persistence} diagnostic steps, loss within "
+              f"{rule.warn_loss_rtol:.0%} of its floor.\n")
+    return "\n".join(markdown_table(header, body)) + "\n" + totals
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    runs = [*FLAGS.runs, *find_runs(FLAGS.runs_under)]
+    if not runs:
+        raise NoRunsError("no run to replay: give --runs DIR[,DIR...] or --runs_under DIR (a "
+                          "directory with runs that wrote metrics.jsonl below it)")
+    rows = [run_row(workdir) for workdir in runs]
+    for row in rows:
+        print(json.dumps(row))
+    if unfinished := [r["workdir"] for r in rows if not r["finished"]]:
+        logging.warning("%d runs have not reached train.steps and are left out of the table: %s",
+                        len(unfinished), ", ".join(unfinished))
+    rows = sorted((r for r in rows if r["finished"]),
+                  key=lambda r: (r["method"], r["n_layers"], r["lr"], r["warmup_steps"], r["seed"]))
+    table = markdown(rows)
+    print(table)
+    if FLAGS.out:
+        write_bytes_atomic(FLAGS.out, table.encode())
+    if FLAGS.json:
+        write_json_atomic(FLAGS.json, {"runs": rows})
+
+
+if __name__ == "__main__":
+    app.run(exit_on_error(main))
