@@ -32,7 +32,10 @@ DEFAULTS_KEEP_EARLIER_RUNS = ("model.qk_norm", "model.mixln_post_fraction",
                               "opt.z_loss", "opt.diversity_weight", "opt.diversity_cap",
                               "train.grad_repair", "train.grad_repair_max",
                               "train.grad_repair_threshold", "opt.optimizer", "opt.momentum",
-                              "monitor.warn_persistence", "monitor.warn_loss_rtol")
+                              "monitor.warn_persistence", "monitor.warn_loss_rtol",
+                              "monitor.action", "monitor.rollback", "monitor.max_actions",
+                              "monitor.lr_factor", "monitor.layer_lr_factor",
+                              "monitor.clip_norm")
 
 # Sections an evaluation of a checkpoint must share with the run that trained it, and the
 # fields of them it may still choose.

@@ -5,15 +5,16 @@ import os
 
 import jax
 import ml_collections
+import numpy as np
 from absl import logging
 from clu import parameter_overview
 
 from postnorm.data import LMData
-from postnorm.diagnostics.early_warning import monitor_rule_from
+from postnorm.diagnostics.early_warning import DEFAULT_RULE, monitor_rule_from
 from postnorm.errors import NonFiniteError
 from postnorm.files import write_json_atomic
 from postnorm.runtime.mesh import batch_sharding
-from postnorm.runtime.multihost import stop_together
+from postnorm.runtime.multihost import from_process_0, stop_together
 from postnorm.runtime.preemption import Preempted, PreemptionWatch
 from postnorm.train.experiment import (
     Experiment,
@@ -27,6 +28,7 @@ from postnorm.train.experiment import (
     unusable_elsewhere,
 )
 from postnorm.train.forensics import set_aside_dumps, write_nonfinite_dump
+from postnorm.train.monitor_actions import apply_change, record_action
 from postnorm.train.reporter import Reporter
 from postnorm.train.state import GuardedState
 from postnorm.workdir.checkpoint import Checkpointer
@@ -37,10 +39,11 @@ from postnorm.workdir.lock import WorkdirLock
 from postnorm.workdir.metrics import read_jsonl
 
 
-def _restore_or_init(exp: Experiment, ckpt: Checkpointer):
-    """(state, step, data iterator) of the latest usable checkpoint, or of step 0."""
+def _restore_or_init(exp: Experiment, ckpt: Checkpointer, before: int | None = None):
+    """(state, step, data iterator) of the latest usable checkpoint (of a step < ``before``),
+    or of step 0."""
     data_iter = train_iterator(exp)
-    restored = ckpt.restore_latest(exp.steps.abstract_state, data_iter)
+    restored = ckpt.restore_latest(exp.steps.abstract_state, data_iter, before=before)
     if restored is None:
         logging.info("no checkpoint in %s: starting from step 0", ckpt.directory)
         return exp.steps.init(exp.config.seed), 0, data_iter
@@ -146,7 +149,13 @@ def _train_loop(exp: Experiment, ckpt: Checkpointer, watch: PreemptionWatch,
                 state, device_metrics, device_diag = exp.steps.diag(state, batch)
             else:
                 (state, device_metrics), device_diag = exp.steps.train(state, batch), None
-        reporter.flush()  # step - 1's metrics: the device is already busy with this step
+        # step - 1's metrics (the device is already busy with this step), and the monitor's
+        # action on a warn there
+        state, restart = _flush_and_act(exp, ckpt, reporter, state, workdir)
+        if restart is not None:
+            (start, data_iter), positions = restart, {}
+            step = start
+            continue
         is_log = step % config.train.log_every == 0 or step in (start + 1, total)
         if is_log or is_diag:
             floor = (global_frequency_floor(local_batch["targets"], exp.data.unigram_counts)
@@ -168,11 +177,17 @@ def _train_loop(exp: Experiment, ckpt: Checkpointer, watch: PreemptionWatch,
                 step, positions = start, {}
                 continue
             positions.clear()
+        saving = ckpt.should_save(step, force=step == total or stop)
+        if is_eval or saving:  # a checkpoint's step has its records written (and read) first
+            state, restart = _flush_and_act(exp, ckpt, reporter, state, workdir)
+            if restart is not None:
+                (start, data_iter), positions = restart, {}
+                step = start
+                continue
         if is_eval:
-            reporter.flush()
             with reporter.excluded(state):
                 reporter.write_eval(step, evaluate(exp, state), exp.eval_floor)
-        if ckpt.should_save(step, force=step == total or stop):
+        if saving:
             with reporter.excluded(state):
                 ckpt.save(step, state, data_iter, force=step == total or stop)
         if stop and step < total:  # a stop asked for during the last step: the run is done
@@ -180,6 +195,46 @@ def _train_loop(exp: Experiment, ckpt: Checkpointer, watch: PreemptionWatch,
             ckpt.wait_until_finished()
             raise Preempted(step, str(ckpt.directory), interrupted=watch.interrupted)
     reporter.flush()
+
+
+def _flush_and_act(exp: Experiment, ckpt: Checkpointer, reporter: Reporter,
+                   state: GuardedState, workdir: str):
+    """Flush the reporter; when that read a diagnostic step on which the early-warning monitor
+    newly warned, take ``monitor.action`` (``postnorm.train.monitor_actions``). Returns the
+    state and, after a rollback, (the step restored, its data iterator), else None."""
+    monitor = exp.config.monitor
+    if not reporter.flush() or monitor.action == "none":
+        return state, None
+    warning = reporter.take_warning()
+    warn_step = from_process_0(warning[0] if warning else 0)  # process 0 holds the history
+    if not warn_step:
+        return state, None
+    done = int(state.monitor_actions)
+    if done >= monitor.max_actions:
+        logging.warning("collapse early warning at step %d: monitor.max_actions=%d actions "
+                        "taken already, none now", warn_step, monitor.max_actions)
+        return state, None
+    tsim_L = reporter.last_tsim
+    restart = None
+    changed_from = state
+    if monitor.rollback:
+        ckpt.wait_until_finished()
+        state, start, data_iter = _restore_or_init(exp, ckpt, before=warn_step)
+        restart = (start, data_iter)
+    state = apply_change(state, changed_from, monitor, tsim_L)
+    entry = {"step": warn_step, "action": monitor.action, "actions": done + 1,
+             "rolled_back_to": restart[0] if restart else None,
+             "lr_scale": float(state.lr_scale),
+             "layers": [int(i) for i in np.flatnonzero(tsim_L >= DEFAULT_RULE.tsim_threshold)]}
+    logging.warning("collapse early warning at step %d: monitor.action=%s (action %d of "
+                    "monitor.max_actions=%d)%s", warn_step, monitor.action, done + 1,
+                    monitor.max_actions,
+                    f", rolled back to step {restart[0]}" if restart else "")
+    stop_together(lambda: record_action(workdir, entry) if jax.process_index() == 0 else None,
+                  unusable_elsewhere)
+    if restart is not None:
+        reporter.restart(restart[0], int(state.skipped_steps))
+    return state, restart
 
 
 def _nonfinite(exp: Experiment, ckpt: Checkpointer, state: GuardedState,

@@ -5,12 +5,17 @@ Weight decay applies to the weight matrices only; norm gains, token and position
 are excluded unless ``opt.decay_norms_and_embeddings`` is set.
 """
 
+from typing import NamedTuple
+
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 
 NO_DECAY_NAMES = ("scale", "embedding", "pos_embedding")
 OPTIMIZERS = ("adamw", "sgd")
+# what the early-warning monitor may change on a warn (postnorm.train.monitor_actions)
+MONITOR_ACTIONS = ("none", "lr_scale", "layer_lr", "clip")
 
 
 def learning_rate_schedule(opt_cfg: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
@@ -34,9 +39,59 @@ def weight_decay_mask(params, decay_all: bool):
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(opt_cfg: ml_collections.ConfigDict,
-                   total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """The optimizer and its schedule (the schedule is also logged as ``train/lr``)."""
+class LayerLrState(NamedTuple):
+    """Per-layer learning-rate factors (1 until the early-warning monitor changes them)."""
+
+    layer_lr_scale: jax.Array  # float32 [n_layers]
+
+
+def scale_by_layer(n_layers: int) -> optax.GradientTransformation:
+    """Multiplies the updates of the scanned layers (``updates["layers"]``, layer axis first) by
+    the state's per-layer factor; the other parameters' updates pass unchanged."""
+
+    def init(params) -> LayerLrState:
+        del params
+        return LayerLrState(jnp.ones((n_layers,), jnp.float32))
+
+    def update(updates, state: LayerLrState, params=None):
+        del params
+
+        def scaled(u: jax.Array) -> jax.Array:
+            return u * state.layer_lr_scale.reshape(-1, *(1,) * (u.ndim - 1)).astype(u.dtype)
+
+        return {**updates, "layers": jax.tree.map(scaled, updates["layers"])}, state
+
+    return optax.GradientTransformation(init, update)
+
+
+class WarnedClipState(NamedTuple):
+    """The global-norm clip the early-warning monitor set (inf: none yet)."""
+
+    warned_clip_norm: jax.Array  # float32 scalar
+
+
+def clip_when_warned() -> optax.GradientTransformation:
+    """Global-norm clipping to the state's threshold, which starts at inf (no clipping)."""
+
+    def init(params) -> WarnedClipState:
+        del params
+        return WarnedClipState(jnp.full((), jnp.inf, jnp.float32))
+
+    def update(updates, state: WarnedClipState, params=None):
+        del params
+        norm = optax.tree.norm(updates)
+        factor = jnp.minimum(1.0, state.warned_clip_norm / jnp.maximum(norm, 1e-30))
+        return jax.tree.map(lambda u: u * factor.astype(u.dtype), updates), state
+
+    return optax.GradientTransformation(init, update)
+
+
+def make_optimizer(opt_cfg: ml_collections.ConfigDict, total_steps: int, *,
+                   monitor_action: str = "none", n_layers: int = 0
+                   ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """The optimizer and its schedule (the schedule is also logged as ``train/lr``). With the
+    early-warning monitor's ``layer_lr`` or ``clip`` action, its state also holds what the
+    action changes (``scale_by_layer`` after the optimizer, ``clip_when_warned`` before it)."""
     schedule = learning_rate_schedule(opt_cfg, total_steps)
 
     def mask(params):
@@ -49,5 +104,9 @@ def make_optimizer(opt_cfg: ml_collections.ConfigDict,
         tx = optax.adamw(schedule, b1=opt_cfg.b1, b2=opt_cfg.b2, eps=opt_cfg.eps,
                          weight_decay=opt_cfg.weight_decay, mask=mask)
     if opt_cfg.clip_norm > 0:
-        return optax.chain(optax.clip_by_global_norm(opt_cfg.clip_norm), tx), schedule
+        tx = optax.chain(optax.clip_by_global_norm(opt_cfg.clip_norm), tx)
+    if monitor_action == "clip":
+        tx = optax.chain(clip_when_warned(), tx)
+    elif monitor_action == "layer_lr":
+        tx = optax.chain(tx, scale_by_layer(n_layers))
     return tx, schedule

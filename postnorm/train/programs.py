@@ -44,13 +44,15 @@ class CompiledSteps:
 def compile_steps(spec: ModelSpec, tx: optax.GradientTransformation, schedule: optax.Schedule,
                   mesh: Mesh, loss: Loss, *, halt_on_nonfinite: bool = True,
                   xla_options: XlaOptions | None = None,
-                  placement: PlacementControl | None = None) -> CompiledSteps:
+                  placement: PlacementControl | None = None,
+                  monitor_acts: bool = False) -> CompiledSteps:
     """Build the shardings of the state and jit every step against ``mesh``.
 
     ``halt_on_nonfinite``: freeze the state at the first non-finite step (policies ``abort``
     and ``rollback``) rather than only skipping that step's update (``skip``).
     ``xla_options``: XLA options for every step's compilation (``runtime.xla_options``).
     ``placement``: the adaptive placement's controller, run by the diagnostic step.
+    ``monitor_acts``: the state counts the early-warning monitor's actions.
     """
     jit = functools.partial(jax.jit, compiler_options=xla_options or None)
     model = Decoder(spec)
@@ -66,7 +68,7 @@ def compile_steps(spec: ModelSpec, tx: optax.GradientTransformation, schedule: o
     def init_state(seed: int) -> GuardedState:
         params = nn.unbox(init_params(jax.random.key(seed)))
         return GuardedState.create_guarded(apply_fn=model.apply, params=params, tx=tx,
-                                           post_mix=initial_mix)
+                                           post_mix=initial_mix, monitor_acts=monitor_acts)
 
     param_shardings = tree_shardings(mesh, jax.eval_shape(init_params, jax.random.key(0)))
     abstract = jax.eval_shape(init_state, 0)
@@ -77,7 +79,8 @@ def compile_steps(spec: ModelSpec, tx: optax.GradientTransformation, schedule: o
     shardings = abstract.replace(step=replicated, params=param_shardings, opt_state=opt_shardings,
                                  skipped_steps=replicated, halted_at=replicated,
                                  lr_scale=replicated, rollbacks=replicated,
-                                 post_mix=None if initial_mix is None else replicated)
+                                 post_mix=None if initial_mix is None else replicated,
+                                 monitor_actions=replicated if monitor_acts else None)
     abstract_state = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
@@ -184,8 +187,11 @@ def build_programs(config: ml_collections.ConfigDict, vocab_size: int, *,
     logging.info("parameters: %s", ", ".join(f"{k}={v:,}" for k, v in param_counts(spec).items()))
     mesh = make_mesh(config.mesh)
     logging.info("mesh: %s", ", ".join(f"{axis}={size}" for axis, size in mesh.shape.items()))
-    tx, schedule = make_optimizer(config.opt, config.train.steps)
+    tx, schedule = make_optimizer(config.opt, config.train.steps,
+                                  monitor_action=config.monitor.action,
+                                  n_layers=config.model.n_layers)
     steps = compile_steps(spec, tx, schedule, mesh, make_loss(config),
                           halt_on_nonfinite=config.train.nonfinite != "skip",
-                          xla_options=xla_options, placement=placement_control(config))
+                          xla_options=xla_options, placement=placement_control(config),
+                          monitor_acts=config.monitor.action != "none")
     return Programs(config, spec, mesh, steps, xla_options)

@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator, Mapping
 
 import jax
+import numpy as np
 from absl import logging
 
 from postnorm.diagnostics.early_warning import (
@@ -91,6 +92,7 @@ class Monitor:
         self.train_S = train_loss_and_floor(records) if records else []
         series = layer_series(records)
         self.state, self.last = MonitorState(), None
+        self.new_warning: tuple[int, np.ndarray] | None = None  # a warn not yet acted on
         if "tsim_attn" in series:
             alarms, self.state = replay(*series["tsim_attn"], self.train_S, rule)
             self.last = alarms[-1] if alarms else None
@@ -102,7 +104,10 @@ class Monitor:
         """The alarm of diagnostic step ``step``; logged when its level differs from the last."""
         loss, floor = loss_and_floor_at(self.train_S, step, self.rule.collapse.loss_smoothing)
         alarm, self.state = assess(step, tsim_L, loss, floor, self.state, self.rule)
-        if alarm.level != (self.last.level if self.last else 0):
+        previous = self.last.level if self.last else 0
+        if alarm.level == 2 and previous < 2:
+            self.new_warning = (step, np.asarray(tsim_L))
+        if alarm.level != previous:
             log = logging.warning if alarm.level else logging.info
             log("collapse early warning at step %d: %s%s", step, alarm.name.upper(),
                 f": {alarm.reason}" if alarm.reason else " (cleared)")
@@ -122,6 +127,7 @@ class Reporter:
         self.final: dict[str, float] = {}
         self.writer: MetricWriter | None = None
         self.saw_skip = False  # the last fetched metrics counted more skipped steps than before
+        self.last_tsim: np.ndarray | None = None  # at the last diagnostic step flushed
         self._held = None
 
     def restart(self, step: int, skipped_steps: int) -> None:
@@ -152,9 +158,15 @@ class Reporter:
         until the next ``flush``."""
         self._held = (step, metrics, diagnostics, floor)
 
-    def flush(self) -> None:
+    def take_warning(self) -> tuple[int, np.ndarray] | None:
+        """The step of a new warn since the last call, with tsim at each layer there."""
+        warning, self.monitor.new_warning = self.monitor.new_warning, None
+        return warning
+
+    def flush(self) -> bool:
+        """Log and write the held step; True when it was a diagnostic step."""
         if self._held is None:
-            return
+            return False
         step, device_metrics, device_diag, floor = self._held
         self._held = None
         scalars = {}
@@ -176,11 +188,13 @@ class Reporter:
         if device_diag is not None:
             diagnostics = jax.device_get(device_diag)
             scalars.update(flatten_diagnostics(diagnostics))
-            alarm = self.monitor.read(step, diagnostics["tsim_attn"])
+            self.last_tsim = np.asarray(diagnostics["tsim_attn"])
+            alarm = self.monitor.read(step, self.last_tsim)
             scalars.update({"monitor/level": alarm.level,
                             "monitor/similar_fraction": alarm.fraction})
         self._write(step, scalars)
         self.final.update(scalars)
+        return device_diag is not None
 
     def _write(self, step: int, scalars: dict[str, float]) -> None:
         """Write and flush ``scalars`` (process 0 writes); when that fails, every process

@@ -23,12 +23,16 @@ class GuardedState(TrainState):
     # float32 [n_layers, 2]: each sublayer's Post-Norm share lambda where the arrangement keeps
     # it as state (model.norm=adaptive), else None (no leaf: the checkpoint is unchanged)
     post_mix: jax.Array | None = None
+    # int32: the early-warning monitor's actions so far where it acts (monitor.action), else
+    # None (no leaf)
+    monitor_actions: jax.Array | None = None
 
     @classmethod
     def create_guarded(cls, *, apply_fn, params, tx: optax.GradientTransformation,
-                       post_mix: jax.Array | None = None) -> "GuardedState":
+                       post_mix: jax.Array | None = None,
+                       monitor_acts: bool = False) -> "GuardedState":
         """A fresh state: nothing skipped, not halted, lr scale 1, no rollbacks, lambda
-        ``post_mix``.
+        ``post_mix``, no monitor action yet (a counter only where ``monitor_acts``).
 
         ``step`` is a strongly typed int32, like a restored one, so that a resumed run's
         steps compile to the same programs as a fresh run's.
@@ -37,7 +41,8 @@ class GuardedState(TrainState):
                            skipped_steps=jnp.zeros((), jnp.int32),
                            halted_at=jnp.zeros((), jnp.int32),
                            lr_scale=jnp.ones((), jnp.float32),
-                           rollbacks=jnp.zeros((), jnp.int32), post_mix=post_mix)
+                           rollbacks=jnp.zeros((), jnp.int32), post_mix=post_mix,
+                           monitor_actions=jnp.zeros((), jnp.int32) if monitor_acts else None)
         return state.replace(step=jnp.zeros((), jnp.int32))
 
     def apply_gradients(self, *, grads, **kwargs) -> "GuardedState":

@@ -20,7 +20,7 @@ from postnorm.runtime.allocator import ALLOCATORS
 from postnorm.runtime.mesh import mesh_shape
 from postnorm.runtime.xla_options import XlaOptionsError, parse_xla_options
 from postnorm.theory import INIT_SCHEMES
-from postnorm.train.optim import OPTIMIZERS
+from postnorm.train.optim import MONITOR_ACTIONS, OPTIMIZERS
 from postnorm.train.state import NONFINITE_POLICIES
 
 SCHEDULES = ("cosine", "constant")
@@ -164,6 +164,12 @@ def check_train(config: ml_collections.ConfigDict) -> None:
              "a number > 0 (the contraction c under which a token is repaired)")
     _positive_int(config, "monitor.warn_persistence")
     _require(config, "monitor.warn_loss_rtol", lambda v: _is_num(v) and v > 0, "a number > 0")
+    _one_of(config, "monitor.action", MONITOR_ACTIONS)
+    _require(config, "monitor.rollback", lambda v: isinstance(v, bool), "true or false")
+    _positive_int(config, "monitor.max_actions")
+    _require(config, "monitor.lr_factor", lambda v: _is_num(v) and 0 < v <= 1, "in (0, 1]")
+    for path in ("monitor.layer_lr_factor", "monitor.clip_norm"):
+        _require(config, path, lambda v: _is_num(v) and v > 0, "a number > 0")
     # the data pipeline's shuffle seeds (seed + epoch) must fit in 32 bits
     _require(config, "seed", lambda v: _is_int(v) and 0 <= v < 2**31, "an integer in [0, 2**31)")
 

@@ -134,9 +134,11 @@ class CheckpointReader:
         return steps
 
     def restore_latest(
-        self, abstract_state: PyTree, data_iterator: grain.DatasetIterator | None
+        self, abstract_state: PyTree, data_iterator: grain.DatasetIterator | None,
+        before: int | None = None,
     ) -> tuple[PyTree, int] | None:
-        """Restores the newest usable checkpoint, or returns None when there is none.
+        """Restores the newest usable checkpoint (of a step < ``before``, when given), or returns
+        None when there is none.
 
         `abstract_state` is a pytree of `jax.ShapeDtypeStruct` carrying `.sharding`; arrays
         are restored with exactly those shardings. `data_iterator` is rewound in place (None:
@@ -148,7 +150,7 @@ class CheckpointReader:
         """
         failures: dict[int, Exception | str] = {}
         rescans = 0
-        steps = self._steps()
+        steps = [s for s in self._steps() if before is None or s < before]
         while steps:
             step = steps.pop(0)
             if data_iterator is not None:
@@ -171,7 +173,8 @@ class CheckpointReader:
                              "trainer's keep policy)", step, self.directory)
             if (step not in listed or listed[0] > step) and rescans < _MAX_RESCANS:
                 rescans += 1
-                steps = [s for s in listed if s not in failures]
+                steps = [s for s in listed if s not in failures and (before is None
+                                                                      or s < before)]
         listed = self._steps()
         damaged = {step: reason for step, reason in failures.items() if step in listed}
         if not damaged and (failures or rescans):  # every step tried vanished

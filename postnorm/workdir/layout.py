@@ -37,6 +37,11 @@ class Workdir:
         return self._path("metrics.jsonl")
 
     @property
+    def monitor_actions(self) -> str:
+        """Every action the early-warning monitor took (``train.monitor_actions``)."""
+        return self._path("monitor_actions.json")
+
+    @property
     def tensorboard(self) -> str:
         return self._path("tensorboard")
 

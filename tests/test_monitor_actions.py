@@ -1,0 +1,176 @@
+"""The early-warning monitor's actions: the optimizer transforms that carry them against numpy,
+each change on a train state, and whole runs in which a scripted similarity makes the real
+monitor warn: an action without and with rollback (bounded, recorded), and an exact resume with
+a warning pending at the checkpoint."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from optax import tree_utils
+
+from postnorm.diagnostics import early_warning
+from postnorm.train import reporter as reporter_module
+from postnorm.train.loop import train_and_evaluate
+from postnorm.train.monitor_actions import apply_change
+from postnorm.train.optim import clip_when_warned, make_optimizer, scale_by_layer
+from postnorm.train.state import GuardedState
+from tests.reliability_helpers import read_records, tiny_config, write_corpus
+
+
+def test_the_layer_scale_and_the_warned_clip_against_numpy():
+    rng = np.random.default_rng(0)
+    updates = {"layers": {"w": jnp.asarray(rng.normal(size=(3, 4, 2)), jnp.float32),
+                          "b": jnp.asarray(rng.normal(size=(3, 2)), jnp.float32)},
+               "embedding": jnp.asarray(rng.normal(size=(5, 2)), jnp.float32)}
+    tx = scale_by_layer(3)
+    state = tx.init(updates)
+    np.testing.assert_array_equal(state.layer_lr_scale, np.ones(3))
+    state = state._replace(layer_lr_scale=jnp.asarray([1.0, 0.5, 0.25]))
+    out, _ = tx.update(updates, state)
+    np.testing.assert_allclose(out["layers"]["w"], np.asarray(updates["layers"]["w"])
+                               * np.array([1.0, 0.5, 0.25])[:, None, None], rtol=1e-6)
+    np.testing.assert_allclose(out["layers"]["b"], np.asarray(updates["layers"]["b"])
+                               * np.array([1.0, 0.5, 0.25])[:, None], rtol=1e-6)
+    np.testing.assert_array_equal(out["embedding"], updates["embedding"])
+    clip = clip_when_warned()
+    clip_state = clip.init(updates)
+    same, _ = clip.update(updates, clip_state)  # inf: no clipping before a warn
+    for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(updates), strict=True):
+        np.testing.assert_array_equal(a, b)
+    norm = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree.leaves(updates)))
+    clipped, _ = clip.update(updates, clip_state._replace(warned_clip_norm=jnp.float32(1.0)))
+    for a, b in zip(jax.tree.leaves(clipped), jax.tree.leaves(updates), strict=True):
+        np.testing.assert_allclose(a, np.asarray(b) / norm, rtol=1e-5)
+
+
+def small_state(action: str) -> GuardedState:
+    opt = ml_collections.ConfigDict(dict(
+        optimizer="adamw", momentum=0.9, lr=1e-3, schedule="constant", warmup_steps=0,
+        min_lr_ratio=0.1, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.0,
+        decay_norms_and_embeddings=False, clip_norm=0.5))
+    tx, _ = make_optimizer(opt, 10, monitor_action=action, n_layers=4)
+    params = {"layers": {"w": jnp.ones((4, 2))}, "embedding": jnp.ones((3, 2))}
+    return GuardedState.create_guarded(apply_fn=None, params=params, tx=tx, monitor_acts=True)
+
+
+@pytest.mark.parametrize("action", ["lr_scale", "layer_lr", "clip"])
+def test_each_change_compounds_on_the_state_at_the_warn(action):
+    monitor = ml_collections.ConfigDict(dict(action=action, lr_factor=0.5, layer_lr_factor=0.25,
+                                             clip_norm=2.0))
+    tsim_L = np.array([0.5, 0.995, 0.999, 0.2])  # layers 1 and 2 alike
+    state = small_state(action)
+    once = apply_change(state, state, monitor, tsim_L)
+    twice = apply_change(once, once, monitor, tsim_L)
+    assert (int(once.monitor_actions), int(twice.monitor_actions)) == (1, 2)
+    if action == "lr_scale":
+        assert (float(once.lr_scale), float(twice.lr_scale)) == (0.5, 0.25)
+    elif action == "layer_lr":
+        np.testing.assert_array_equal(tree_utils.tree_get(twice.opt_state, "layer_lr_scale"),
+                                      [1.0, 1 / 16, 1 / 16, 1.0])
+    else:
+        assert float(tree_utils.tree_get(twice.opt_state, "warned_clip_norm")) == 2.0
+        assert float(tree_utils.tree_get(state.opt_state, "warned_clip_norm")) == np.inf
+    # a rollback: the change goes onto the restored state, from the values at the warn
+    restored = small_state(action)
+    rolled = apply_change(restored, once, monitor, tsim_L)
+    assert int(rolled.monitor_actions) == 2
+    if action == "lr_scale":
+        assert float(rolled.lr_scale) == 0.25
+
+
+def scripted_similarity(monkeypatch, from_step: int = 3) -> None:
+    """From ``from_step`` on, the monitor reads every layer at tsim 1 and the loss at its floor:
+    the real rule watches there and warns one diagnostic step later (persistence 2)."""
+    real = early_warning.assess
+
+    def assess(step, tsim_L, loss, floor, state, rule=early_warning.DEFAULT_MONITOR):
+        if step >= from_step:
+            return real(step, np.ones_like(np.asarray(tsim_L)), floor, floor, state, rule)
+        return real(step, tsim_L, loss, floor, state, rule)
+
+    monkeypatch.setattr(early_warning, "assess", assess)  # the replay on a (re)start
+    monkeypatch.setattr(reporter_module, "assess", assess)  # the live reading
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def config_for(corpus, tmp_path, **monitor):
+    return tiny_config(corpus, tmp_path / "tfds", train__steps=12, diag__every=3,
+                       train__ckpt_every=4, train__eval_every=12,
+                       **{f"monitor__{k}": v for k, v in monitor.items()})
+
+
+def actions_of(workdir) -> list[dict]:
+    return json.loads((workdir / "monitor_actions.json").read_text())["actions"]
+
+
+def test_an_action_without_rollback_changes_the_run_from_the_warn_on(corpus, tmp_path,
+                                                                       monkeypatch):
+    scripted_similarity(monkeypatch)
+    workdir = tmp_path / "run"
+    train_and_evaluate(config_for(corpus, tmp_path, action="lr_scale", lr_factor=0.5),
+                       str(workdir))
+    records = read_records(workdir)
+    levels = {r["step"]: r["monitor/level"] for r in records if "monitor/level" in r}
+    assert levels == {1: 0, 3: 1, 6: 2, 9: 2, 12: 2}
+    (entry,) = actions_of(workdir)  # one warn: level stays at warn
+    assert (entry["step"], entry["actions"], entry["rolled_back_to"], entry["lr_scale"]) == \
+        (6, 1, None, 0.5)
+    lrs = {r["step"]: r["train/lr"] for r in records if "train/lr" in r}
+    plain = tmp_path / "plain"
+    train_and_evaluate(config_for(corpus, tmp_path), str(plain))
+    plain_lrs = {r["step"]: r["train/lr"] for r in read_records(plain) if "train/lr" in r}
+    # the warn at step 6 is read while step 7 runs: the lr is halved from step 8 on
+    for step, lr in lrs.items():
+        assert lr == pytest.approx(plain_lrs[step] * (0.5 if step >= 8 else 1.0), rel=1e-6)
+
+
+def test_a_rollback_returns_before_the_warn_and_is_bounded_and_recorded(corpus, tmp_path,
+                                                                         monkeypatch):
+    scripted_similarity(monkeypatch)
+    workdir = tmp_path / "run"
+    train_and_evaluate(config_for(corpus, tmp_path, action="lr_scale", rollback=True,
+                                  max_actions=2), str(workdir))
+    entries = actions_of(workdir)
+    assert [(e["step"], e["actions"], e["rolled_back_to"], e["lr_scale"]) for e in entries] == \
+        [(6, 1, 4, 0.5), (6, 2, 4, 0.25)]
+    records = read_records(workdir)
+    steps = [r["step"] for r in records if "train/loss" in r]
+    assert steps == list(range(1, 13))  # no step twice: the rolled-back records were dropped
+    lrs = {r["step"]: r["train/lr"] for r in records if "train/lr" in r}
+    plain = tmp_path / "plain"
+    train_and_evaluate(config_for(corpus, tmp_path), str(plain))
+    plain_lrs = {r["step"]: r["train/lr"] for r in read_records(plain) if "train/lr" in r}
+    for step, lr in lrs.items():  # steps 5 on ran twice rolled back, at lr x 0.25
+        assert lr == pytest.approx(plain_lrs[step] * (0.25 if step >= 5 else 1.0), rel=1e-6)
+
+
+def test_a_resume_with_a_warning_pending_at_the_checkpoint_is_exact(corpus, tmp_path,
+                                                                     monkeypatch):
+    """The checkpoint at step 4 holds a watch (step 3) one diagnostic step short of a warn: a
+    run killed there and resumed warns, acts and logs exactly as the uninterrupted one."""
+    scripted_similarity(monkeypatch)
+    config = config_for(corpus, tmp_path, action="lr_scale", rollback=True, max_actions=1)
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    train_and_evaluate(config, str(full))
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(full / "checkpoints" / "4", resumed / "checkpoints" / "4")
+    for name in ("config.json", "metrics.jsonl"):  # as a kill -9 after step 4 leaves them
+        shutil.copy(full / name, resumed / name)
+    train_and_evaluate(config, str(resumed))
+    want = {r["step"]: r for r in read_records(full)}
+    got = {r["step"]: r for r in read_records(resumed)}
+    assert sorted(got) == sorted(want)
+    for step in got:
+        for key in set(got[step]) | set(want[step]):
+            if key != "train/tokens_per_s":
+                assert got[step].get(key) == want[step].get(key), (step, key)
+    assert actions_of(resumed) == actions_of(full)
