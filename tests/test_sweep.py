@@ -520,3 +520,10 @@ def test_the_sweep_command_refuses_a_bad_sweep_file_in_one_line(tmp_path, sweep_
     assert result.returncode == 2, result.stderr[-3000:]
     assert re.search(f"postnorm: error: .*{message}", result.stderr)
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("sweep_file,runs", [("configs/sweeps/leaderboard.py", 84),
+                                             ("configs/sweeps/training_methods.py", 30)])
+def test_the_committed_method_sweeps_pass_the_check_before_any_run(sweep_file, runs):
+    base, specs = sweep.plan_file(sweep_file)
+    assert len(sweep_cli.planned_configs(base, specs, {})) == runs

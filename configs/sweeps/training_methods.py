@@ -1,0 +1,57 @@
+"""The training-time remedies on the default CPU config (48 layers, d=64, d_ff=192, n=128,
+batch 16, embedded corpus, 300 steps, lr 1e-3 unless stated): gradient repair, the
+frequency-loss regulariser, the z-loss and the early-warning monitor's actions
+(docs/METHODS.md). Post-Norm and Pre-Norm without any of them at lr 1e-3, seeds 0-2, are the
+leaderboard's runs (configs/sweeps/leaderboard.py), the controls.
+
+    python -m experiments.sweep --sweep configs/sweeps/training_methods.py \\
+        --out_dir runs/training_methods --workers 2
+
+Groups (variant ``<group>`` runs one alone):
+
+* ``repair``: Post-Norm with and without gradient repair, with AdamW (lr 1e-3) and with the
+  SGD-with-momentum control (lr 0.1, momentum 0.9), seed 0;
+* ``depth96``: 96-layer Post-Norm with and without repair (the paper claims 100+ layers);
+* ``regulariser``: the position-diversity regulariser at weights 0.1 and 0.3 on Post- and
+  Pre-Norm, seeds 0-2;
+* ``z_loss``: Post-Norm with z-loss 1e-4, seeds 0-2;
+* ``monitor``: Post-Norm with the monitor's lr_scale, layer_lr and clip actions, each after a
+  rollback to the checkpoint before the warn, seeds 0-2 (checkpoints every 10 steps, so that a
+  rollback returns to just before the warn).
+"""
+
+BASE_CONFIG = "configs/default.py"
+
+# Every field a run sets, at its default elsewhere, so that each run id names what it changes.
+FIELDS = {"model.norm": "post", "model.n_layers": 48, "opt.lr": 1e-3, "opt.optimizer": "adamw",
+          "train.grad_repair": False, "opt.diversity_weight": 0.0, "opt.z_loss": 0.0,
+          "monitor.action": "none", "monitor.rollback": False, "train.ckpt_every": 100,
+          "seed": 0}
+SEEDS = (0, 1, 2)
+
+
+def _run(**changes: object) -> dict[str, object]:
+    return {**FIELDS, **{k.replace("__", "."): v for k, v in changes.items()}}
+
+
+GROUPS = {
+    "repair": [_run(train__grad_repair=repair, opt__optimizer=optimizer, opt__lr=lr)
+               for optimizer, lr in (("adamw", 1e-3), ("sgd", 0.1))
+               for repair in (False, True)],
+    "depth96": [_run(model__n_layers=96, train__grad_repair=repair) for repair in (False, True)],
+    "regulariser": [_run(model__norm=norm, opt__diversity_weight=weight, seed=seed)
+                    for seed in SEEDS for norm in ("post", "pre") for weight in (0.1, 0.3)],
+    "z_loss": [_run(opt__z_loss=1e-4, seed=seed) for seed in SEEDS],
+    "monitor": [_run(monitor__action=action, monitor__rollback=True, train__ckpt_every=10,
+                     seed=seed)
+                for seed in SEEDS for action in ("lr_scale", "layer_lr", "clip")],
+}
+
+
+def get_sweep(arg: str | None = None) -> list[dict[str, object]]:
+    """One dict of config overrides per run: every group, or the group ``arg``."""
+    if arg in (None, ""):
+        return [run for runs in GROUPS.values() for run in runs]
+    if arg in GROUPS:
+        return GROUPS[arg]
+    raise ValueError(f"unknown sweep variant {arg!r}; known: {', '.join(GROUPS)}")
