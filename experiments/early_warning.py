@@ -2,6 +2,7 @@
 
     python -m experiments.early_warning --runs DIR[,DIR...] [--out FILE.md] [--json FILE]
     python -m experiments.early_warning --runs_under runs/leaderboard   # every run below it
+    python -m experiments.early_warning --runs_under runs/leaderboard --warn_persistence 2
 
 For each run (a directory with ``metrics.jsonl``) it replays the monitor
 (``postnorm.diagnostics.early_warning``) over the recorded diagnostic steps, as the live monitor
@@ -11,6 +12,7 @@ collapsing run; a warn on a run that did not collapse is a false alarm. Prints o
 run and a markdown table of the finished runs with the totals (written to ``--out`` when given).
 """
 
+import dataclasses
 import glob
 import json
 import os
@@ -20,7 +22,7 @@ from absl import app, flags, logging
 from configs.sweeps.leaderboard import METHOD_FIELDS, method_of
 from postnorm.analysis.collapse import detect_collapse, replay_monitor
 from postnorm.analysis.tables import cell, markdown_table
-from postnorm.diagnostics.early_warning import DEFAULT_MONITOR
+from postnorm.diagnostics.early_warning import DEFAULT_MONITOR, MonitorRule
 from postnorm.errors import UserError, exit_on_error
 from postnorm.files import write_bytes_atomic, write_json_atomic
 from postnorm.workdir.config_record import recorded_config
@@ -29,6 +31,10 @@ from postnorm.workdir.metrics import read_metrics
 flags.DEFINE_list("runs", [], "Run directories.")
 flags.DEFINE_list("runs_under", [], "Directories whose every run (a metrics.jsonl below them) is "
                   "replayed.")
+flags.DEFINE_integer("warn_persistence", None, "The monitor's monitor.warn_persistence "
+                     "(default: the config default).", lower_bound=1)
+flags.DEFINE_float("warn_loss_rtol", None, "The monitor's monitor.warn_loss_rtol (default: the "
+                   "config default).", lower_bound=0)
 flags.DEFINE_string("out", None, "Write the markdown table here.")
 flags.DEFINE_string("json", None, "Write every run's row here as JSON.")
 FLAGS = flags.FLAGS
@@ -51,12 +57,12 @@ def method_label(config: dict) -> str:
         return config["model"]["norm"]
 
 
-def run_row(workdir: str) -> dict:
-    """The monitor's replay and the detector's verdict on one run."""
+def run_row(workdir: str, rule: MonitorRule = DEFAULT_MONITOR) -> dict:
+    """The monitor's replay (under ``rule``) and the detector's verdict on one run."""
     records = read_metrics(workdir)
     config = recorded_config(workdir)
     collapse = detect_collapse(records)
-    alarms, state = replay_monitor(records)
+    alarms, state = replay_monitor(records, rule)
     steps = collapse.diag_steps
     interval = steps[2] - steps[1] if len(steps) > 2 else None  # step 1, then every diag.every
     lead = (collapse.collapse_step - state.first_warn
@@ -82,7 +88,7 @@ def find_runs(roots: list[str]) -> list[str]:
                   for p in glob.glob(os.path.join(root, "**", "metrics.jsonl"), recursive=True))
 
 
-def markdown(rows: list[dict]) -> str:
+def markdown(rows: list[dict], rule: MonitorRule = DEFAULT_MONITOR) -> str:
     header = ["method", "layers", "lr", "warmup", "seed", "collapsed", "collapse step",
               "first watch", "first warn", "lead (steps)", "lead (intervals)", "false alarm"]
     body = [[r["method"], str(r["n_layers"]),
@@ -93,7 +99,6 @@ def markdown(rows: list[dict]) -> str:
     collapsing = [r for r in rows if r["collapsed"]]
     quiet = [r for r in rows if not r["collapsed"]]
     leads = sorted(r["lead_steps"] for r in collapsing if r["lead_steps"] is not None)
-    rule = DEFAULT_MONITOR
     totals = (f"\n{len(collapsing)} collapsing runs: {sum(not r['missed'] for r in collapsing)} "
               f"warned before the collapse step, lead time "
               f"{f'{leads[0]}-{leads[-1]} steps' if leads else 'none'}; "
@@ -111,7 +116,11 @@ def main(argv: list[str]) -> None:
     if not runs:
         raise NoRunsError("no run to replay: give --runs DIR[,DIR...] or --runs_under DIR (a "
                           "directory with runs that wrote metrics.jsonl below it)")
-    rows = [run_row(workdir) for workdir in runs]
+    rule = dataclasses.replace(
+        DEFAULT_MONITOR,
+        **({} if FLAGS.warn_persistence is None else {"persistence": FLAGS.warn_persistence}),
+        **({} if FLAGS.warn_loss_rtol is None else {"warn_loss_rtol": FLAGS.warn_loss_rtol}))
+    rows = [run_row(workdir, rule) for workdir in runs]
     for row in rows:
         print(json.dumps(row))
     if unfinished := [r["workdir"] for r in rows if not r["finished"]]:
@@ -119,7 +128,7 @@ def main(argv: list[str]) -> None:
                         len(unfinished), ", ".join(unfinished))
     rows = sorted((r for r in rows if r["finished"]),
                   key=lambda r: (r["method"], r["n_layers"], r["lr"], r["warmup_steps"], r["seed"]))
-    table = markdown(rows)
+    table = markdown(rows, rule)
     print(table)
     if FLAGS.out:
         write_bytes_atomic(FLAGS.out, table.encode())

@@ -20,26 +20,27 @@ from tests.reliability_helpers import REPO, tiny_config, write_corpus
 from tests.test_collapse import records
 
 HIGH, LOW = [0.995] * 3 + [0.5], [0.995] + [0.5] * 3  # 3 of 4 layers alike; 1 of 4
+TWO = MonitorRule(persistence=2)
 
 
 def test_levels_none_watch_and_warn():
     state = MonitorState()
-    alarm, state = assess(10, [0.2, 0.5, 0.9, 0.98], 8.0, 5.0, state)
+    alarm, state = assess(10, [0.2, 0.5, 0.9, 0.98], 8.0, 5.0, state, TWO)
     assert (alarm.level, alarm.layers, state.streak) == (0, (), 0)
-    alarm, state = assess(20, HIGH, 5.5, 5.0, state)  # alike, but not yet for two steps
+    alarm, state = assess(20, HIGH, 5.5, 5.0, state, TWO)  # alike, but not yet for two steps
     assert (alarm.name, alarm.layers, state.streak, state.first_watch) == ("watch", (0, 1, 2),
                                                                               1, 20)
     assert "layers 0-2 have tsim >= 0.99" in alarm.reason
-    alarm, state = assess(30, HIGH, 5.5, 5.0, state)
+    alarm, state = assess(30, HIGH, 5.5, 5.0, state, TWO)
     assert (alarm.name, state.first_warn, alarm.fraction) == ("warn", 30, 0.75)
     assert "3 of 4 layers have tsim >= 0.99 for 2 diagnostic steps" in alarm.reason
-    alarm, state = assess(40, LOW, 5.5, 5.0, state)  # the streak breaks: back to watch
+    alarm, state = assess(40, LOW, 5.5, 5.0, state, TWO)  # the streak breaks: back to watch
     assert (alarm.name, state.streak, state.first_warn) == ("watch", 0, 30)
 
 
 def test_a_transient_spike_or_a_loss_far_from_the_floor_stays_at_watch():
     state = MonitorState()
-    for step, tsim in ((10, HIGH), (20, LOW), (30, HIGH), (40, LOW)):  # never two in a row
+    for step, tsim in ((10, HIGH), (20, HIGH), (30, LOW), (40, HIGH), (50, LOW)):  # < 3 in a row
         alarm, state = assess(step, tsim, 5.1, 5.0, state)
         assert alarm.level == 1
     for step in (50, 60, 70):  # alike for three steps, the loss 30% above its floor
@@ -75,7 +76,7 @@ LOSS = [9.0, 8.0, 7.0, 6.0, 5.6, 5.2, 5.1, 5.05]  # L_freq 5.0: within 25% from 
 def test_the_replay_warns_before_the_detector_calls_the_collapse():
     recs = records(STEPS, TSIM, LOSS)
     found = detect_collapse(recs, offline.CollapseRule(loss_smoothing=1))
-    rule = MonitorRule(collapse=offline.CollapseRule(loss_smoothing=1))
+    rule = MonitorRule(collapse=offline.CollapseRule(loss_smoothing=1), persistence=2)
     alarms, state = replay_monitor(recs, rule)
     assert found.collapse_step == 50 and found.onset_step == 20
     assert [a.level for a in alarms] == [0, 0, 1, 1, 2, 2, 2, 2]
@@ -87,7 +88,7 @@ def test_the_replay_warns_before_the_detector_calls_the_collapse():
 def test_the_live_monitor_rebuilt_on_a_resume_reads_on_as_an_uninterrupted_one():
     """A restart after step 30 (a pending streak) rebuilds the state from the records kept, and
     the next readings equal the uninterrupted monitor's."""
-    rule = MonitorRule(collapse=offline.CollapseRule(loss_smoothing=2))
+    rule = MonitorRule(collapse=offline.CollapseRule(loss_smoothing=2), persistence=2)
     recs = records(STEPS, TSIM, LOSS)
 
     def feed(monitor: Monitor, steps: list[int]) -> list:

@@ -85,7 +85,7 @@ def test_each_change_compounds_on_the_state_at_the_warn(action):
 
 def scripted_similarity(monkeypatch, from_step: int = 3) -> None:
     """From ``from_step`` on, the monitor reads every layer at tsim 1 and the loss at its floor:
-    the real rule watches there and warns one diagnostic step later (persistence 2)."""
+    the real rule watches there and warns two diagnostic steps later (persistence 3)."""
     real = early_warning.assess
 
     def assess(step, tsim_L, loss, floor, state, rule=early_warning.DEFAULT_MONITOR):
@@ -120,17 +120,17 @@ def test_an_action_without_rollback_changes_the_run_from_the_warn_on(corpus, tmp
                        str(workdir))
     records = read_records(workdir)
     levels = {r["step"]: r["monitor/level"] for r in records if "monitor/level" in r}
-    assert levels == {1: 0, 3: 1, 6: 2, 9: 2, 12: 2}
+    assert levels == {1: 0, 3: 1, 6: 1, 9: 2, 12: 2}
     (entry,) = actions_of(workdir)  # one warn: level stays at warn
     assert (entry["step"], entry["actions"], entry["rolled_back_to"], entry["lr_scale"]) == \
-        (6, 1, None, 0.5)
+        (9, 1, None, 0.5)
     lrs = {r["step"]: r["train/lr"] for r in records if "train/lr" in r}
     plain = tmp_path / "plain"
     train_and_evaluate(config_for(corpus, tmp_path), str(plain))
     plain_lrs = {r["step"]: r["train/lr"] for r in read_records(plain) if "train/lr" in r}
-    # the warn at step 6 is read while step 7 runs: the lr is halved from step 8 on
+    # the warn at step 9 is read while step 10 runs: the lr is halved from step 11 on
     for step, lr in lrs.items():
-        assert lr == pytest.approx(plain_lrs[step] * (0.5 if step >= 8 else 1.0), rel=1e-6)
+        assert lr == pytest.approx(plain_lrs[step] * (0.5 if step >= 11 else 1.0), rel=1e-6)
 
 
 def test_a_rollback_returns_before_the_warn_and_is_bounded_and_recorded(corpus, tmp_path,
@@ -141,7 +141,7 @@ def test_a_rollback_returns_before_the_warn_and_is_bounded_and_recorded(corpus, 
                                   max_actions=2), str(workdir))
     entries = actions_of(workdir)
     assert [(e["step"], e["actions"], e["rolled_back_to"], e["lr_scale"]) for e in entries] == \
-        [(6, 1, 4, 0.5), (6, 2, 4, 0.25)]
+        [(9, 1, 8, 0.5), (9, 2, 8, 0.25)]
     records = read_records(workdir)
     steps = [r["step"] for r in records if "train/loss" in r]
     assert steps == list(range(1, 13))  # no step twice: the rolled-back records were dropped
@@ -149,13 +149,13 @@ def test_a_rollback_returns_before_the_warn_and_is_bounded_and_recorded(corpus, 
     plain = tmp_path / "plain"
     train_and_evaluate(config_for(corpus, tmp_path), str(plain))
     plain_lrs = {r["step"]: r["train/lr"] for r in read_records(plain) if "train/lr" in r}
-    for step, lr in lrs.items():  # steps 5 on ran twice rolled back, at lr x 0.25
-        assert lr == pytest.approx(plain_lrs[step] * (0.25 if step >= 5 else 1.0), rel=1e-6)
+    for step, lr in lrs.items():  # steps 9 on ran twice rolled back, at lr x 0.25
+        assert lr == pytest.approx(plain_lrs[step] * (0.25 if step >= 9 else 1.0), rel=1e-6)
 
 
 def test_a_resume_with_a_warning_pending_at_the_checkpoint_is_exact(corpus, tmp_path,
                                                                      monkeypatch):
-    """The checkpoint at step 4 holds a watch (step 3) one diagnostic step short of a warn: a
+    """The checkpoint at step 4 holds a watch (step 3) two diagnostic steps short of a warn: a
     run killed there and resumed warns, acts and logs exactly as the uninterrupted one."""
     scripted_similarity(monkeypatch)
     config = config_for(corpus, tmp_path, action="lr_scale", rollback=True, max_actions=1)

@@ -129,7 +129,7 @@ def base_config() -> ml_collections.ConfigDict:
     # 0.99; warn when >= half the layers have for warn_persistence diagnostic steps in a row and
     # the loss is within warn_loss_rtol of its batches' frequency floor
     c.monitor = ml_collections.ConfigDict()
-    c.monitor.warn_persistence = 2
+    c.monitor.warn_persistence = 3
     c.monitor.warn_loss_rtol = 0.25
     # what a new warn does: none | lr_scale (the learning rate x lr_factor) | layer_lr (the
     # layers at tsim >= 0.99: their learning rate x layer_lr_factor) | clip (global-norm clipping
