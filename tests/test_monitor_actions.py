@@ -153,22 +153,30 @@ def test_a_rollback_returns_before_the_warn_and_is_bounded_and_recorded(corpus, 
         assert lr == pytest.approx(plain_lrs[step] * (0.25 if step >= 9 else 1.0), rel=1e-6)
 
 
-def test_a_resume_with_a_warning_pending_at_the_checkpoint_is_exact(corpus, tmp_path,
-                                                                     monkeypatch):
-    """The checkpoint at step 4 holds a watch (step 3) two diagnostic steps short of a warn: a
-    run killed there and resumed warns, acts and logs exactly as the uninterrupted one."""
+@pytest.mark.slow
+@pytest.mark.parametrize("killed_after", [4, 12])
+def test_a_resume_with_a_warning_pending_or_after_a_rollback_is_exact(corpus, tmp_path,
+                                                                      monkeypatch, killed_after):
+    """Killed after step 4 (its checkpoint holds a watch, two diagnostic steps short of the warn
+    at step 9) or after step 12 (the warn rolled the run back to step 8 and halved its lr), a run
+    resumed from that checkpoint logs and acts exactly as the uninterrupted one."""
     scripted_similarity(monkeypatch)
     config = config_for(corpus, tmp_path, action="lr_scale", rollback=True, max_actions=1)
+    config.train.steps, config.train.keep_ckpts = 16, 10
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     train_and_evaluate(config, str(full))
+    assert [(e["step"], e["rolled_back_to"]) for e in actions_of(full)] == [(9, 8)]
     (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(full / "checkpoints" / "4", resumed / "checkpoints" / "4")
-    for name in ("config.json", "metrics.jsonl"):  # as a kill -9 after step 4 leaves them
+    step_dir = str(killed_after)
+    shutil.copytree(full / "checkpoints" / step_dir, resumed / "checkpoints" / step_dir)
+    for name in ("config.json", "metrics.jsonl"):  # as a kill -9 after that step leaves them
         shutil.copy(full / name, resumed / name)
+    if killed_after == 12:
+        shutil.copy(full / "monitor_actions.json", resumed / "monitor_actions.json")
     train_and_evaluate(config, str(resumed))
     want = {r["step"]: r for r in read_records(full)}
     got = {r["step"]: r for r in read_records(resumed)}
-    assert sorted(got) == sorted(want)
+    assert sorted(got) == sorted(want) == list(range(1, 17))
     for step in got:
         for key in set(got[step]) | set(want[step]):
             if key != "train/tokens_per_s":
