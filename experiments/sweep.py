@@ -56,7 +56,11 @@ from postnorm.sweep.plan import (
 from postnorm.sweep.record import is_finished, planned_digests, read_result, run_logged
 from postnorm.sweep.workers import check_workers, run_pinned
 from postnorm.train.validate import check_config
-from postnorm.workdir.config_record import WorkdirConfigError, read_run_config
+from postnorm.workdir.config_record import (
+    WorkdirConfigError,
+    config_with_later_defaults,
+    read_run_config,
+)
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -199,12 +203,13 @@ def planned_configs(base_config: str, specs: list[RunSpec],
 
 
 def run_digests(recorded: dict) -> set[str]:
-    """The digests of the planned configs whose run a recorded ``config.json`` holds: its own,
-    and, since ``model.attention=auto`` is recorded as the kernel it chose, that of the same
-    config with ``auto``."""
-    model = recorded.get("model", {})
-    as_auto = {**recorded, "model": {**model, "attention": "auto"}}
-    return {config_digest(recorded), config_digest(as_auto)}
+    """The digests of the planned configs whose run a recorded ``config.json`` holds: its own
+    with the fields it predates at their defaults (``recorded_config``), and, since
+    ``model.attention=auto`` is recorded as the kernel it chose, that of the same config with
+    ``auto``."""
+    data = config_data(config_with_later_defaults(recorded))
+    as_auto = {**data, "model": {**data["model"], "attention": "auto"}}
+    return {config_digest(recorded), config_digest(data), config_digest(as_auto)}
 
 
 def _recorded_digests(out_dir: str) -> dict[str, set[str]]:

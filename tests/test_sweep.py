@@ -527,3 +527,28 @@ def test_the_sweep_command_refuses_a_bad_sweep_file_in_one_line(tmp_path, sweep_
 def test_the_committed_method_sweeps_pass_the_check_before_any_run(sweep_file, runs):
     base, specs = sweep.plan_file(sweep_file)
     assert len(sweep_cli.planned_configs(base, specs, {})) == runs
+
+
+def test_a_result_recorded_by_an_earlier_schema_is_still_the_planned_run():
+    """A run recorded before fields were added (their defaults computing what it computed)
+    carries the digest of its config without them: it is the planned run, unless the plan sets
+    one of the later fields away from its default."""
+    from postnorm.config.identity import FIELDS_ADDED, config_data, config_digest
+
+    config = get_config("model.attention=cpu")
+    data = config_data(config)
+
+    def without(fields) -> dict:
+        older = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+        for field in fields:
+            section, name = field.split(".")
+            older[section].pop(name)
+        return {k: v for k, v in older.items() if v != {}}
+
+    before_last, before_all = without(FIELDS_ADDED[-1]), without(sum(FIELDS_ADDED, ()))
+    assert "monitor" not in before_last and "qk_norm" not in before_all["model"]
+    digests = run_record.planned_digests(config)
+    assert {config_digest(before_last), config_digest(before_all)} <= digests
+    changed = get_config("model.attention=cpu,opt.z_loss=1e-4")
+    assert config_digest(before_last) not in run_record.planned_digests(changed)
+    assert sweep_cli.run_digests(before_last) & digests

@@ -21,21 +21,43 @@ RESUMABLE_FIELDS = ("train.log_every", "train.eval_every", "train.ckpt_every",
 
 # Fields added with a default that computes what runs recorded before them computed: a record
 # without one of them matches a config that keeps its default. (Other fields absent from a
-# record are changes: their default then may not be what the run used.)
-DEFAULTS_KEEP_EARLIER_RUNS = ("model.qk_norm", "model.mixln_post_fraction",
-                              "model.b2t_rescaled_init", "model.init_tsim_target",
-                              "model.init_tsim_input", "model.residual_budget",
-                              "model.residual_budget_c", "model.residual_budget_weight",
-                              "model.adaptive_initial_mix", "train.placement_controller",
-                              "train.placement_c_min", "train.placement_tsim_max",
-                              "train.placement_rate_down", "train.placement_rate_up",
-                              "opt.z_loss", "opt.diversity_weight", "opt.diversity_cap",
-                              "train.grad_repair", "train.grad_repair_max",
-                              "train.grad_repair_threshold", "opt.optimizer", "opt.momentum",
-                              "monitor.warn_persistence", "monitor.warn_loss_rtol",
-                              "monitor.action", "monitor.rollback", "monitor.max_actions",
-                              "monitor.lr_factor", "monitor.layer_lr_factor",
-                              "monitor.clip_norm")
+# record are changes: their default then may not be what the run used.) Grouped by the change
+# that added them, oldest first, so that the config a run was recorded with can be rebuilt as
+# each earlier version wrote it (``earlier_versions``).
+FIELDS_ADDED = (
+    # the residual/norm arrangements and the architectural methods against collapse
+    ("model.qk_norm", "model.mixln_post_fraction", "model.b2t_rescaled_init",
+     "model.init_tsim_target", "model.init_tsim_input", "model.residual_budget",
+     "model.residual_budget_c", "model.residual_budget_weight", "model.adaptive_initial_mix",
+     "train.placement_controller", "train.placement_c_min", "train.placement_tsim_max",
+     "train.placement_rate_down", "train.placement_rate_up"),
+    # the training-time methods: objective terms, gradient repair, SGD, the early warning
+    ("opt.z_loss", "opt.diversity_weight", "opt.diversity_cap", "train.grad_repair",
+     "train.grad_repair_max", "train.grad_repair_threshold", "opt.optimizer", "opt.momentum",
+     "monitor.warn_persistence", "monitor.warn_loss_rtol", "monitor.action", "monitor.rollback",
+     "monitor.max_actions", "monitor.lr_factor", "monitor.layer_lr_factor",
+     "monitor.clip_norm"),
+)
+DEFAULTS_KEEP_EARLIER_RUNS = tuple(field for added in FIELDS_ADDED for field in added)
+
+
+def earlier_versions(data: dict, defaults: dict[str, object]) -> list[dict]:
+    """``data`` (a config as JSON) as each earlier version of the schema recorded the same run:
+    without the fields added since, where they hold their default (``defaults``: flattened);
+    a version before a field that does not hold its default could not have run this config."""
+    versions = []
+    for since in range(len(FIELDS_ADDED)):
+        later = [f for added in FIELDS_ADDED[since:] for f in added]
+        flat = flatten_fields(data)
+        if any(f in flat and flat[f] != defaults[f] for f in later):
+            continue
+        older = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+        for field in later:
+            section, name = field.split(".")
+            older.get(section, {}).pop(name, None)
+        versions.append({k: v for k, v in older.items() if v != {}})
+    return versions
+
 
 # Sections an evaluation of a checkpoint must share with the run that trained it, and the
 # fields of them it may still choose.

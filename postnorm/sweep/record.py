@@ -12,7 +12,13 @@ from absl import logging
 from postnorm.analysis.collapse import DEFAULT_RULE, CollapseRule, detect_collapse
 from postnorm.analysis.figures import plots_after_training
 from postnorm.analysis.summary import summarize
-from postnorm.config.identity import config_data, config_digest
+from postnorm.config.identity import (
+    config_data,
+    config_digest,
+    earlier_versions,
+    flatten_fields,
+)
+from postnorm.config.schema import base_config
 from postnorm.errors import NonFiniteError
 from postnorm.files import FileWriteError, from_text, make_output_dir, write_json_atomic
 from postnorm.model.attention_choice import AUTO
@@ -58,15 +64,17 @@ def read_result(workdir: str) -> dict | None:
 
 
 def planned_digests(config: ml_collections.ConfigDict) -> set[str]:
-    """The config digests a record of ``config``'s run may carry: its own and, under
-    ``model.attention=auto``, those of the config naming each kernel (a run recorded before
-    ``auto`` was the default named its kernel)."""
-    digests = {config_digest(config)}
+    """The config digests a record of ``config``'s run may carry: its own and that of each
+    earlier schema's record of the same run (``identity.earlier_versions``), and under
+    ``model.attention=auto`` those of each such config naming each kernel (a run recorded
+    before ``auto`` was the default named its kernel)."""
+    data = config_data(config)
+    defaults = flatten_fields(config_data(base_config()))
+    versions = [data, *earlier_versions(data, defaults)]
     if config.model.attention == AUTO:
-        data = config_data(config)
-        digests |= {config_digest({**data, "model": {**data["model"], "attention": kernel}})
-                    for kernel in ATTENTION_KERNELS}
-    return digests
+        versions += [{**v, "model": {**v["model"], "attention": kernel}}
+                     for v in list(versions) for kernel in ATTENTION_KERNELS]
+    return {config_digest(v) for v in versions}
 
 
 def is_finished(workdir: str, config: ml_collections.ConfigDict) -> bool:

@@ -94,6 +94,12 @@ def recorded_config(workdir: str) -> ml_collections.ConfigDict:
     if recorded is None:
         raise WorkdirConfigError(f"{Workdir(workdir).config} does not exist: give the --workdir "
                                  "of a run that has started")
+    return config_with_later_defaults(recorded)
+
+
+def config_with_later_defaults(recorded: dict) -> ml_collections.ConfigDict:
+    """A recorded config (JSON data) with each field of ``DEFAULTS_KEEP_EARLIER_RUNS`` that it
+    predates at its default."""
     config = ml_collections.ConfigDict(recorded)
     old = flatten_fields(recorded)
     default = flatten_fields(config_data(base_config()))
