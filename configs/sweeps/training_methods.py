@@ -10,7 +10,9 @@ leaderboard's runs (configs/sweeps/leaderboard.py), the controls.
 Groups (variant ``<group>`` runs one alone):
 
 * ``repair``: Post-Norm with and without gradient repair, with AdamW (lr 1e-3) and with the
-  SGD-with-momentum control (lr 0.1, momentum 0.9), seed 0;
+  SGD-with-momentum control (lr 0.1, momentum 0.9, weight decay 1e-4: with the decay in the
+  momentum, weights shrink by lr wd / (1 - momentum) = 1e-4 of themselves per step, as under
+  AdamW's lr wd = 1e-4; at the default 0.1 they would shrink by 10% per step), seed 0;
 * ``depth96``: 96-layer Post-Norm with and without repair (the paper claims 100+ layers);
 * ``regulariser``: the position-diversity regulariser at weights 0.1 and 0.3 on Post- and
   Pre-Norm, seeds 0-2;
@@ -24,6 +26,7 @@ BASE_CONFIG = "configs/default.py"
 
 # Every field a run sets, at its default elsewhere, so that each run id names what it changes.
 FIELDS = {"model.norm": "post", "model.n_layers": 48, "opt.lr": 1e-3, "opt.optimizer": "adamw",
+          "opt.weight_decay": 0.1,
           "train.grad_repair": False, "opt.diversity_weight": 0.0, "opt.z_loss": 0.0,
           "monitor.action": "none", "monitor.rollback": False, "train.ckpt_every": 100,
           "seed": 0}
@@ -35,8 +38,9 @@ def _run(**changes: object) -> dict[str, object]:
 
 
 GROUPS = {
-    "repair": [_run(train__grad_repair=repair, opt__optimizer=optimizer, opt__lr=lr)
-               for optimizer, lr in (("adamw", 1e-3), ("sgd", 0.1))
+    "repair": [_run(train__grad_repair=repair, opt__optimizer=optimizer, opt__lr=lr,
+                    opt__weight_decay=decay)
+               for optimizer, lr, decay in (("adamw", 1e-3, 0.1), ("sgd", 0.1, 1e-4))
                for repair in (False, True)],
     "depth96": [_run(model__n_layers=96, train__grad_repair=repair) for repair in (False, True)],
     "regulariser": [_run(model__norm=norm, opt__diversity_weight=weight, seed=seed)

@@ -22,6 +22,7 @@ from postnorm.analysis.collapse_figures import render_collapse_figures
 from postnorm.analysis.figures import plot_heatmaps
 from postnorm.diagnostics.early_warning import monitor_rule_from
 from postnorm.files import from_text, replace_file
+from postnorm.train.monitor_actions import recorded_actions
 from postnorm.workdir.config_record import read_run_config
 from postnorm.workdir.layout import Workdir
 from postnorm.workdir.metrics import layer_series, read_metrics, unfinished_last_line
@@ -77,6 +78,12 @@ def run_warnings(workdir: str, records: list[dict], collapse: Collapse | None,
             reason = next(a.reason for a in alarms if a.level == 2)
             warnings.append(f"Collapse early warning (warn) from step {monitor.first_warn}"
                             f"{lead}: {reason}.")
+    for action in recorded_actions(workdir):
+        back = (f", rolled back to step {action['rolled_back_to']}"
+                if action["rolled_back_to"] is not None else "")
+        warnings.append(f"The early warning acted (action {action['actions']}): "
+                        f"monitor.action={action['action']} on the warn at step "
+                        f"{action['step']}{back}.")
     losses = [r["train/loss"] for r in records if "train/loss" in r]
     if any(not math.isfinite(v) for v in losses):
         warnings.append("Non-finite train loss values were logged.")

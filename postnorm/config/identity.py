@@ -36,7 +36,7 @@ FIELDS_ADDED = (
      "train.grad_repair_max", "train.grad_repair_threshold", "opt.optimizer", "opt.momentum",
      "monitor.warn_persistence", "monitor.warn_loss_rtol", "monitor.action", "monitor.rollback",
      "monitor.max_actions", "monitor.lr_factor", "monitor.layer_lr_factor",
-     "monitor.clip_norm"),
+     "monitor.clip_norm", "monitor.clip_factor"),
 )
 DEFAULTS_KEEP_EARLIER_RUNS = tuple(field for added in FIELDS_ADDED for field in added)
 

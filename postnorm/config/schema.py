@@ -133,14 +133,16 @@ def base_config() -> ml_collections.ConfigDict:
     c.monitor.warn_loss_rtol = 0.25
     # what a new warn does: none | lr_scale (the learning rate x lr_factor) | layer_lr (the
     # layers at tsim >= 0.99: their learning rate x layer_lr_factor) | clip (global-norm clipping
-    # at clip_norm from then on); with rollback, the run first returns to its last checkpoint
-    # before the warn (step 0 if none). At most max_actions times per run
+    # at clip_norm from then on, x clip_factor at each later action); with rollback, the run
+    # first returns to its last checkpoint before the warn (step 0 if none). At most
+    # max_actions times per run
     c.monitor.action = "none"
     c.monitor.rollback = False
     c.monitor.max_actions = 3
     c.monitor.lr_factor = 0.5
     c.monitor.layer_lr_factor = 0.5
     c.monitor.clip_norm = 1.0
+    c.monitor.clip_factor = 0.5
 
     c.runtime = ml_collections.ConfigDict()
     # auto | system | tcmalloc: tcmalloc (preloaded by re-executing the command) keeps XLA's

@@ -104,7 +104,7 @@ class ResidualNorm(nn.Module):
     differentiated through), ``penalty`` sows the hinge
     mean(max(0, (||y||^2 / d + eps) / rms(scale)^2 - 1 / budget_c^2)) into ``BUDGET_COLLECTION``
     for the objective. Returns the norm's output and y. ``repair_cap`` and ``repair_threshold``:
-    as ``RMSNorm``'s, on y.
+    as ``RMSNorm``'s, on the normalisation's input only (not the hinge's, nor the y returned).
     """
 
     eps: float
@@ -125,13 +125,14 @@ class ResidualNorm(nn.Module):
                                        d * (gain_sq / self.budget_c**2 - self.eps))
             branch_BxLxD = branch_BxLxD * beta.astype(branch_BxLxD.dtype)
         y_BxLxD = skip_BxLxD + branch_BxLxD
-        if self.repair_cap is not None:
-            y_BxLxD = repaired(y_BxLxD, scale_D, self.eps, self.repair_cap, self.repair_threshold)
         y32 = y_BxLxD.astype(jnp.float32)
         mean_sq = jnp.mean(y32 * y32, axis=-1, keepdims=True)
         if self.budget == "penalty":
             excess = (mean_sq + self.eps) / gain_sq - 1.0 / self.budget_c**2
             self.sow(BUDGET_COLLECTION, "hinge", jnp.mean(jnp.maximum(excess, 0.0)))
+        if self.repair_cap is not None:  # on the normalisation's path only
+            y32 = repaired(y32, scale_D, self.eps, self.repair_cap, self.repair_threshold)
+            mean_sq = jnp.mean(y32 * y32, axis=-1, keepdims=True)
         out = (y32 * jax.lax.rsqrt(mean_sq + self.eps) * scale_D).astype(y_BxLxD.dtype)
         return out, y_BxLxD
 

@@ -28,7 +28,12 @@ from postnorm.train.experiment import (
     unusable_elsewhere,
 )
 from postnorm.train.forensics import set_aside_dumps, write_nonfinite_dump
-from postnorm.train.monitor_actions import apply_change, record_action
+from postnorm.train.monitor_actions import (
+    apply_change,
+    changed_values,
+    keep_actions,
+    record_action,
+)
 from postnorm.train.reporter import Reporter
 from postnorm.train.state import GuardedState
 from postnorm.workdir.checkpoint import Checkpointer
@@ -104,6 +109,7 @@ def _train_holding_the_lock(config: ml_collections.ConfigDict, workdir: str) -> 
         state, start, data_iter = _restore_or_init(exp, ckpt)
         stop_together(lambda: _record_run(workdir, exp.config, exp.data.info, start)
                       if jax.process_index() == 0 else None, unusable_elsewhere)
+        _keep_actions_in_effect(workdir, state)
         if jax.process_index() == 0:
             parameter_overview.log_parameter_overview(state.params)
         reporter = Reporter(workdir, config.data.batch_size * config.data.seq_len,
@@ -156,7 +162,9 @@ def _train_loop(exp: Experiment, ckpt: Checkpointer, watch: PreemptionWatch,
             (start, data_iter), positions = restart, {}
             step = start
             continue
-        is_log = step % config.train.log_every == 0 or step in (start + 1, total)
+        # on the grid only, so that a resumed run logs (and its monitor and collapse rule
+        # smooth over) the steps the uninterrupted run logs
+        is_log = step % config.train.log_every == 0 or step in (1, total)
         if is_log or is_diag:
             floor = (global_frequency_floor(local_batch["targets"], exp.data.unigram_counts)
                      if is_log else None)
@@ -174,6 +182,7 @@ def _train_loop(exp: Experiment, ckpt: Checkpointer, watch: PreemptionWatch,
                     reporter.restart(halted, skipped)  # their records are dropped
                     raise
                 reporter.restart(start, int(state.skipped_steps))
+                _keep_actions_in_effect(workdir, state)
                 step, positions = start, {}
                 continue
             positions.clear()
@@ -195,6 +204,14 @@ def _train_loop(exp: Experiment, ckpt: Checkpointer, watch: PreemptionWatch,
             ckpt.wait_until_finished()
             raise Preempted(step, str(ckpt.directory), interrupted=watch.interrupted)
     reporter.flush()
+
+
+def _keep_actions_in_effect(workdir: str, state: GuardedState) -> None:
+    """After a (re)start: ``monitor_actions.json`` lists only the actions the state holds."""
+    if state.monitor_actions is not None:
+        in_effect = int(state.monitor_actions)
+        stop_together(lambda: keep_actions(workdir, in_effect)
+                      if jax.process_index() == 0 else None, unusable_elsewhere)
 
 
 def _flush_and_act(exp: Experiment, ckpt: Checkpointer, reporter: Reporter,
@@ -224,8 +241,8 @@ def _flush_and_act(exp: Experiment, ckpt: Checkpointer, reporter: Reporter,
     state = apply_change(state, changed_from, monitor, tsim_L)
     entry = {"step": warn_step, "action": monitor.action, "actions": done + 1,
              "rolled_back_to": restart[0] if restart else None,
-             "lr_scale": float(state.lr_scale),
-             "layers": [int(i) for i in np.flatnonzero(tsim_L >= DEFAULT_RULE.tsim_threshold)]}
+             "layers": [int(i) for i in np.flatnonzero(tsim_L >= DEFAULT_RULE.tsim_threshold)],
+             **changed_values(state)}
     logging.warning("collapse early warning at step %d: monitor.action=%s (action %d of "
                     "monitor.max_actions=%d)%s", warn_step, monitor.action, done + 1,
                     monitor.max_actions,

@@ -64,6 +64,28 @@ def scale_by_layer(n_layers: int) -> optax.GradientTransformation:
     return optax.GradientTransformation(init, update)
 
 
+class WarnedLrState(NamedTuple):
+    """The learning-rate factor the early-warning monitor set (1 until it acts)."""
+
+    warned_lr_scale: jax.Array  # float32 scalar
+
+
+def scale_when_warned() -> optax.GradientTransformation:
+    """Multiplies every update by the state's factor, which starts at 1. Kept apart from
+    ``GuardedState.lr_scale`` (the non-finite rollbacks'), so that each mechanism undoes or
+    keeps only its own changes."""
+
+    def init(params) -> WarnedLrState:
+        del params
+        return WarnedLrState(jnp.ones((), jnp.float32))
+
+    def update(updates, state: WarnedLrState, params=None):
+        del params
+        return jax.tree.map(lambda u: u * state.warned_lr_scale.astype(u.dtype), updates), state
+
+    return optax.GradientTransformation(init, update)
+
+
 class WarnedClipState(NamedTuple):
     """The global-norm clip the early-warning monitor set (inf: none yet)."""
 
@@ -89,9 +111,10 @@ def clip_when_warned() -> optax.GradientTransformation:
 def make_optimizer(opt_cfg: ml_collections.ConfigDict, total_steps: int, *,
                    monitor_action: str = "none", n_layers: int = 0
                    ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """The optimizer and its schedule (the schedule is also logged as ``train/lr``). With the
-    early-warning monitor's ``layer_lr`` or ``clip`` action, its state also holds what the
-    action changes (``scale_by_layer`` after the optimizer, ``clip_when_warned`` before it)."""
+    """The optimizer and its schedule (the schedule is also logged as ``train/lr``). With an
+    early-warning monitor's action, its state also holds what the action changes
+    (``scale_when_warned`` or ``scale_by_layer`` after the optimizer, ``clip_when_warned``
+    before it)."""
     schedule = learning_rate_schedule(opt_cfg, total_steps)
 
     def mask(params):
@@ -109,4 +132,6 @@ def make_optimizer(opt_cfg: ml_collections.ConfigDict, total_steps: int, *,
         tx = optax.chain(clip_when_warned(), tx)
     elif monitor_action == "layer_lr":
         tx = optax.chain(tx, scale_by_layer(n_layers))
+    elif monitor_action == "lr_scale":
+        tx = optax.chain(tx, scale_when_warned())
     return tx, schedule

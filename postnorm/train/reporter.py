@@ -138,8 +138,13 @@ class Reporter:
         self.progress = Progress(self.total_steps, self.tokens_per_step, step)
         self.saw_skip, self._held, self._skipped = False, None, skipped_steps
         path = Workdir(self.workdir).metrics
-        records = read_jsonl(path) if jax.process_index() == 0 and os.path.exists(path) else []
-        self.monitor = Monitor(self.monitor_rule, records)
+
+        def rebuild() -> None:  # from process 0's records; if they fail, every process raises
+            records = (read_jsonl(path) if jax.process_index() == 0 and os.path.exists(path)
+                       else [])
+            self.monitor = Monitor(self.monitor_rule, records)
+
+        stop_together(rebuild, unusable_elsewhere)
 
     @contextlib.contextmanager
     def excluded(self, state: GuardedState) -> Iterator[None]:

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax.training.train_state import TrainState
+from optax import tree_utils
 
 NONFINITE_POLICIES = ("abort", "skip", "rollback")
 
@@ -58,7 +59,7 @@ def guard(step_fn: Callable, *, halt: bool) -> Callable:
     keeps the old state (and, with ``halt``, so does every step after one).
 
     Adds ``train/skipped_steps`` and ``train/rollbacks`` to the metrics and scales ``train/lr``
-    by ``lr_scale``.
+    by ``lr_scale`` (and by the early-warning monitor's factor where it has one).
     """
 
     def guarded(state: GuardedState, batch):
@@ -71,7 +72,8 @@ def guard(step_fn: Callable, *, halt: bool) -> Callable:
             loop_step = state.step + state.skipped_steps + 1
             first = jnp.where(apply, 0, loop_step)
             kept = kept.replace(halted_at=jnp.where(state.halted_at > 0, state.halted_at, first))
-        metrics = {**metrics, "train/lr": metrics["train/lr"] * state.lr_scale,
+        warned = tree_utils.tree_get(state.opt_state, "warned_lr_scale", 1.0)
+        metrics = {**metrics, "train/lr": metrics["train/lr"] * state.lr_scale * warned,
                    "train/skipped_steps": kept.skipped_steps, "train/rollbacks": state.rollbacks}
         return (kept, metrics, *extra)
 

@@ -160,14 +160,15 @@ def check_train(config: ml_collections.ConfigDict) -> None:
     _require(config, "train.grad_repair", lambda v: isinstance(v, bool), "true or false")
     _require(config, "train.grad_repair_max", lambda v: _is_num(v) and v >= 1,
              "a number >= 1 (the most the factors may multiply to over the stack)")
-    _require(config, "train.grad_repair_threshold", lambda v: _is_num(v) and v > 0,
-             "a number > 0 (the contraction c under which a token is repaired)")
+    _require(config, "train.grad_repair_threshold", lambda v: _is_num(v) and 0 < v <= 1,
+             "in (0, 1] (the contraction c under which a token is repaired)")
     _positive_int(config, "monitor.warn_persistence")
     _require(config, "monitor.warn_loss_rtol", lambda v: _is_num(v) and v > 0, "a number > 0")
     _one_of(config, "monitor.action", MONITOR_ACTIONS)
     _require(config, "monitor.rollback", lambda v: isinstance(v, bool), "true or false")
     _positive_int(config, "monitor.max_actions")
-    _require(config, "monitor.lr_factor", lambda v: _is_num(v) and 0 < v <= 1, "in (0, 1]")
+    for path in ("monitor.lr_factor", "monitor.clip_factor"):
+        _require(config, path, lambda v: _is_num(v) and 0 < v <= 1, "in (0, 1]")
     for path in ("monitor.layer_lr_factor", "monitor.clip_norm"):
         _require(config, path, lambda v: _is_num(v) and v > 0, "a number > 0")
     # the data pipeline's shuffle seeds (seed + epoch) must fit in 32 bits
