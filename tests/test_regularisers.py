@@ -1,6 +1,6 @@
 """The objective's regularisers: the z-loss and the position diversity D against numpy, the
-objective CE - w min(D, cap) + z log Z^2 they build, the parts the steps log, the collapse rule's
-cross-entropy, and the fields they refuse."""
+objective CE - w min(D, cap) + z log Z^2 they build, the parts the steps log, and the collapse
+rule's cross-entropy (the fields they refuse: tests/test_validation.py)."""
 
 import jax
 import jax.numpy as jnp
