@@ -119,7 +119,8 @@ def assert_trees_close(got, want, rtol):
         np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-7, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("budget", ["none", "penalty"])  # the plain and the budgeted norm
+# the plain norm, and (slow) the budgeted one
+@pytest.mark.parametrize("budget", ["none", pytest.param("penalty", marks=pytest.mark.slow)])
 def test_the_repaired_gradient_against_a_hand_written_forward(budget):
     spec, params, inputs, targets = setup(budget)
     factors = []

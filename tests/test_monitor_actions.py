@@ -113,6 +113,7 @@ def actions_of(workdir) -> list[dict]:
     return json.loads((workdir / "monitor_actions.json").read_text())["actions"]
 
 
+@pytest.mark.slow
 def test_an_action_without_rollback_changes_the_run_from_the_warn_on(corpus, tmp_path,
                                                                        monkeypatch):
     scripted_similarity(monkeypatch)
@@ -134,6 +135,7 @@ def test_an_action_without_rollback_changes_the_run_from_the_warn_on(corpus, tmp
         assert lr == pytest.approx(plain_lrs[step] * (0.5 if step >= 11 else 1.0), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_a_rollback_returns_before_the_warn_and_is_bounded_and_recorded(corpus, tmp_path,
                                                                          monkeypatch):
     scripted_similarity(monkeypatch)
