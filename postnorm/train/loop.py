@@ -222,8 +222,7 @@ def _flush_and_act(exp: Experiment, ckpt: Checkpointer, reporter: Reporter,
     monitor = exp.config.monitor
     if not reporter.flush() or monitor.action == "none":
         return state, None
-    warning = reporter.take_warning()
-    warn_step = from_process_0(warning[0] if warning else 0)  # process 0 holds the history
+    warn_step = from_process_0(reporter.take_warning())  # process 0 holds the history
     if not warn_step:
         return state, None
     done = int(state.monitor_actions)

@@ -92,7 +92,7 @@ class Monitor:
         self.train_S = train_loss_and_floor(records) if records else []
         series = layer_series(records)
         self.state, self.last = MonitorState(), None
-        self.new_warning: tuple[int, np.ndarray] | None = None  # a warn not yet acted on
+        self.new_warning: int | None = None  # the step of a warn not yet acted on
         if "tsim_attn" in series:
             alarms, self.state = replay(*series["tsim_attn"], self.train_S, rule)
             self.last = alarms[-1] if alarms else None
@@ -106,7 +106,7 @@ class Monitor:
         alarm, self.state = assess(step, tsim_L, loss, floor, self.state, self.rule)
         previous = self.last.level if self.last else 0
         if alarm.level == 2 and previous < 2:
-            self.new_warning = (step, np.asarray(tsim_L))
+            self.new_warning = step
         if alarm.level != previous:
             log = logging.warning if alarm.level else logging.info
             log("collapse early warning at step %d: %s%s", step, alarm.name.upper(),
@@ -163,10 +163,10 @@ class Reporter:
         until the next ``flush``."""
         self._held = (step, metrics, diagnostics, floor)
 
-    def take_warning(self) -> tuple[int, np.ndarray] | None:
-        """The step of a new warn since the last call, with tsim at each layer there."""
-        warning, self.monitor.new_warning = self.monitor.new_warning, None
-        return warning
+    def take_warning(self) -> int:
+        """The step of a new warn since the last call, else 0 (tsim there: ``last_tsim``)."""
+        step, self.monitor.new_warning = self.monitor.new_warning, None
+        return step or 0
 
     def flush(self) -> bool:
         """Log and write the held step; True when it was a diagnostic step."""
