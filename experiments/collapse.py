@@ -170,13 +170,21 @@ def thm38_row(name: str, record: dict) -> dict:
         "w_lm_spectral_norm": bound["w_lm_spectral_norm"],
         "bound_holds_fraction": bound["bound_holds_fraction"], "min_slack": bound["min_slack"],
         "kl_pfreq_qbar": bound["kl_pfreq_qbar"], "lfreq_corpus": bound["lfreq_corpus"],
-        "point_loss_minus_lfreq": point["loss"] - point["lfreq_batch"],
-        "point_hidden_eps_max": point["hidden_eps_max"],
-        "point_max_abs_grad": point["at_point"]["max_abs_grad"],
-        "control_max_abs_grad": point["control"]["max_abs_grad"],
+        **point_columns(point),
         **{f"next_{k}": v for k, v in record.get("next_train_batches", {}).items()
            if k not in ("losses", "floors")},
     }
+
+
+def point_columns(point: dict) -> dict:
+    """Thm 3.8(ii)'s columns; None where the point was skipped (``thm38.point_unavailable``)."""
+    if "skipped" in point:
+        return dict.fromkeys(("point_loss_minus_lfreq", "point_hidden_eps_max",
+                              "point_max_abs_grad", "control_max_abs_grad"))
+    return {"point_loss_minus_lfreq": point["loss"] - point["lfreq_batch"],
+            "point_hidden_eps_max": point["hidden_eps_max"],
+            "point_max_abs_grad": point["at_point"]["max_abs_grad"],
+            "control_max_abs_grad": point["control"]["max_abs_grad"]}
 
 
 RUN_COLUMNS = (  # (header, row key, format)

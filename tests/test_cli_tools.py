@@ -220,3 +220,18 @@ def test_a_file_in_the_way_of_the_collapse_figures_is_one_line(tmp_path):
             "written (File exists)") in result.stderr and "Traceback" not in result.stderr
     assert (tmp_path / "figures").read_text() == "kept"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["figures"]
+
+
+@pytest.mark.slow
+def test_collapse_runs_to_the_end_on_the_tied_paper_config(tmp_path):
+    """The paper config ties its embeddings: Thm 3.8(ii)'s point is built on an untied copy of
+    the head, so the experiment finishes and reports it."""
+    result = run_module("experiments.collapse", "--config=configs/paper.py:runlocal",
+                        "--seeds=0", "--norms=post", f"--out_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [row["status"] for row in summary["runs"]] == ["done"]
+    (thm_row,) = summary["thm38"]
+    assert abs(thm_row["point_loss_minus_lfreq"]) < 1e-4
+    record = json.loads((tmp_path / "post_seed0" / "thm38.json").read_text())
+    assert record["stationary_point"]["untied_head"]

@@ -1,5 +1,7 @@
 """Theorem 3.8 measurements (postnorm.analysis.thm38) on a tiny Decoder, against numpy."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -185,10 +187,37 @@ def test_constructed_pfreq_point_is_collapsed_at_lfreq_and_stationary(norm, targ
                                    rtol=1e-4, err_msg=name)
 
 
-def test_constructed_point_refuses_a_tied_head():
+def test_constructed_point_unties_a_tied_head():
+    """A tied head is replaced by the constructed W_lm (the embedding keeps its trained value):
+    the point's loss is L_freq(p_hat), it is stationary, and its control gradient is that of the
+    untied network with the same parameters."""
     spec, params = tiny("post", tie_embeddings=True)
+    assert "lm_head" not in params
+    b = batch(3, size=2)
+    b["targets"] = b["targets"] % 5
+    out = thm38.stationary_point(spec, params, b["inputs"], b["targets"], token_id=5)
+    assert out["untied_head"]
+    np.testing.assert_allclose(out["loss"], out["lfreq_batch"], rtol=1e-5)
+    assert out["at_point"]["max_abs_grad"] < 1e-5 < 1e-2 < out["control"]["max_abs_grad"]
+    point = numpy_pfreq_point(spec, params, b["targets"], token_id=5)  # x_bar: the tied trunk
+    untied = dataclasses.replace(spec, tie_embeddings=False)
+
+    def loss(p):
+        logits = Decoder(untied).apply({"params": p}, b["inputs"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"]).mean()
+
+    control_loss, grads = jax.value_and_grad(loss)(point)
+    np.testing.assert_allclose(out["control_loss"], control_loss, rtol=1e-5)
+    np.testing.assert_allclose(out["control"]["grad_norm_embedding"],
+                               np.linalg.norm(np.asarray(grads["embedding"], np.float64)),
+                               rtol=1e-4)
+
+
+def test_constructed_point_refuses_learned_positions():
+    spec, params = tiny("post", positions="learned")
     b = batch(3)
-    with pytest.raises(ValueError, match="untied"):
+    assert "identical input tokens" in thm38.point_unavailable(spec)
+    with pytest.raises(ValueError, match="learned position embeddings"):
         thm38.stationary_point(spec, params, b["inputs"], b["targets"], token_id=5)
 
 

@@ -120,10 +120,13 @@ def _thm38_section(record: dict) -> str:
     rows += [("fraction of sequences with loss >= bound", bound["bound_holds_fraction"]),
              ("min slack (loss - bound)", bound["min_slack"]),
              ("KL(p_freq || mean model output)", bound["kl_pfreq_qbar"]),
-             ("corpus L_freq", bound["lfreq_corpus"]),
-             ("p_freq point: loss - L_freq(batch)", point["loss"] - point["lfreq_batch"]),
-             ("p_freq point: max |grad|", point["at_point"]["max_abs_grad"]),
-             ("same W_lm, real inputs: max |grad|", point["control"]["max_abs_grad"])]
+             ("corpus L_freq", bound["lfreq_corpus"])]
+    if "skipped" in point:
+        rows.append(("p_freq point", f"not built: {point['skipped']}"))
+    else:
+        rows += [("p_freq point: loss - L_freq(batch)", point["loss"] - point["lfreq_batch"]),
+                 ("p_freq point: max |grad|", point["at_point"]["max_abs_grad"]),
+                 ("same W_lm, real inputs: max |grad|", point["control"]["max_abs_grad"])]
     if "next_train_batches" in record:  # experiments/collapse.py --train_batches
         fresh = record["next_train_batches"]
         label = f"next {fresh['batches']} training batches (not trained on)"
