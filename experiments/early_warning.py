@@ -57,16 +57,25 @@ def method_label(config: dict) -> str:
         return config["model"]["norm"]
 
 
+def intervals_between(diag_steps: list[int], start: int, end: int) -> int:
+    """Diagnostic intervals from step ``start`` to step ``end`` (negative when ``end`` comes
+    first), counted over the run's diagnostic steps, whose spacing may vary (diag.dense_*)."""
+    low, high = sorted((start, end))
+    count = sum(low < s <= high for s in diag_steps)
+    return count if end >= start else -count
+
+
 def run_row(workdir: str, rule: MonitorRule = DEFAULT_MONITOR) -> dict:
     """The monitor's replay (under ``rule``) and the detector's verdict on one run."""
     records = read_metrics(workdir)
     config = recorded_config(workdir)
     collapse = detect_collapse(records)
     alarms, state = replay_monitor(records, rule)
-    steps = collapse.diag_steps
-    interval = steps[2] - steps[1] if len(steps) > 2 else None  # step 1, then every diag.every
     lead = (collapse.collapse_step - state.first_warn
             if collapse.collapsed and state.first_warn is not None else None)
+    lead_intervals = (None if lead is None else
+                      intervals_between(collapse.diag_steps, state.first_warn,
+                                        collapse.collapse_step))
     return {
         "workdir": workdir, "finished": max(r["step"] for r in records) >= config["train"]["steps"],
         "method": method_label(config),
@@ -75,7 +84,7 @@ def run_row(workdir: str, rule: MonitorRule = DEFAULT_MONITOR) -> dict:
         "collapsed": collapse.collapsed, "collapse_step": collapse.collapse_step,
         "onset_step": collapse.onset_step, "first_watch": state.first_watch,
         "first_warn": state.first_warn, "lead_steps": lead,
-        "lead_intervals": None if lead is None or not interval else lead / interval,
+        "lead_intervals": lead_intervals,
         "missed": collapse.collapsed and (lead is None or lead <= 0),
         "false_alarm": not collapse.collapsed and state.first_warn is not None,
         "warn_reason": next((a.reason for a in alarms if a.level == 2), ""),

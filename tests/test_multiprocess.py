@@ -20,6 +20,7 @@ import pytest
 
 from postnorm.data import load_data
 from postnorm.data.lfreq import frequency_floor
+from postnorm.diagnostics.schedule import is_diagnostic_step
 from postnorm.model import ModelSpec
 from postnorm.runtime.mesh import batch_sharding, make_mesh
 from postnorm.train.losses import Loss
@@ -93,7 +94,7 @@ def _reference_losses(config) -> tuple[dict[int, float], float, dict[int, float]
         floors[step] = frequency_floor(np.concatenate([p["targets"] for p in parts]),
                                        data.unigram_counts)
         batch = _concatenated(parts, mesh)
-        if step % config.diag.every == 0 or step == 1:  # as main.py chooses the step
+        if is_diagnostic_step(step, config.diag):  # as main.py chooses the step
             state, metrics, _ = steps.diag(state, batch)
         else:
             state, metrics = steps.train(state, batch)

@@ -529,6 +529,19 @@ def test_the_committed_method_sweeps_pass_the_check_before_any_run(sweep_file, r
     assert len(sweep_cli.planned_configs(base, specs, {})) == runs
 
 
+def test_the_paper_sweep_is_lr_by_warmup_by_norm_and_asks_for_c4_first(tmp_path):
+    """The accelerator sweep's grid, refused in one message naming the data where C4 is not
+    prepared."""
+    base, specs = sweep.plan_file("configs/sweeps/paper.py")
+    grid = {(s.override("opt.lr"), s.override("opt.warmup_steps"), s.override("model.norm"))
+            for s in specs}
+    assert len(specs) == len(grid) == 12 and base == "configs/paper.py"
+    assert {lr for lr, _, _ in grid} == {1e-4, 3e-4, 1e-3}
+    assert {w for _, w, _ in grid} == {200, 2000}
+    with pytest.raises(sweep.SweepError, match=r"sweep run 1/12 .*no prepared c4/en:3.0.1"):
+        sweep_cli.planned_configs(base, specs, {"data.data_dir": str(tmp_path)})
+
+
 def test_a_result_recorded_by_an_earlier_schema_is_still_the_planned_run():
     """A run recorded before fields were added (their defaults computing what it computed)
     carries the digest of its config without them: it is the planned run, unless the plan sets
@@ -545,10 +558,12 @@ def test_a_result_recorded_by_an_earlier_schema_is_still_the_planned_run():
             older[section].pop(name)
         return {k: v for k, v in older.items() if v != {}}
 
-    before_last, before_all = without(FIELDS_ADDED[-1]), without(sum(FIELDS_ADDED, ()))
-    assert "monitor" not in before_last and "qk_norm" not in before_all["model"]
+    versions = [without(sum(FIELDS_ADDED[since:], ())) for since in range(len(FIELDS_ADDED))]
+    before_all, before_monitor = versions[0], versions[1]
+    assert "qk_norm" not in before_all["model"] and "monitor" not in before_monitor
     digests = run_record.planned_digests(config)
-    assert {config_digest(before_last), config_digest(before_all)} <= digests
+    assert {config_digest(version) for version in versions} <= digests
     changed = get_config("model.attention=cpu,opt.z_loss=1e-4")
-    assert config_digest(before_last) not in run_record.planned_digests(changed)
-    assert sweep_cli.run_digests(before_last) & digests
+    assert config_digest(before_monitor) not in run_record.planned_digests(changed)
+    for version in versions:
+        assert sweep_cli.run_digests(version) & digests

@@ -35,11 +35,14 @@ def corpus(tmp_path_factory):
 
 
 def test_twenty_steps_lower_the_loss_and_write_outputs(corpus, tmp_path):
+    """Also: the diagnostic step runs on its schedule's steps (a dense phase to step 6)."""
     workdir = tmp_path / "run"
-    config = tiny_config(corpus, tmp_path / "tfds")
+    config = tiny_config(corpus, tmp_path / "tfds", diag__dense_every=3, diag__dense_until=6)
     train_and_evaluate(config, str(workdir))
     losses = read_losses(workdir)
     assert sorted(losses) == list(range(1, 21))
+    diagnosed = [r["step"] for r in read_records(workdir) if "diag/tsim_attn/layer_00" in r]
+    assert diagnosed == [1, 3, 6, 10, 20]
     assert np.mean([losses[s] for s in (18, 19, 20)]) < losses[1] - 1.0
     assert (workdir / "config.json").exists()
     assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))

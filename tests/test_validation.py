@@ -95,6 +95,8 @@ CASES = [
     ("train.rollback_lr_factor", 1.0, r"must be a number in \(0, 1\)"),
     ("train.rollback_lr_factor", 0, r"must be a number in \(0, 1\)"),
     ("diag.every", 0, POSITIVE_INT),
+    ("diag.dense_every", 0, POSITIVE_INT),
+    ("diag.dense_until", -1, r"must be an integer >= 0 \(0: no dense phase\)"),
     ("seed", 1.5, "must be an integer"),
     ("seed", -1, r"must be an integer in \[0, 2\*\*31\)"),
     ("opt.lr", float("inf"), "opt.lr=inf is invalid: must be finite and a number > 0"),

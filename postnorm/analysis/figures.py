@@ -46,7 +46,7 @@ def cell_edges(centers: np.ndarray) -> np.ndarray:
 
 def _heatmap(ax, steps: np.ndarray, values_LxS: np.ndarray, title: str) -> None:
     """Layer x step cells, each column centred on its own step (diagnostic steps need not be
-    evenly spaced: step 1, then every ``diag.every``)."""
+    evenly spaced: step 1, then ``postnorm.diagnostics.schedule``'s steps)."""
     layer_edges = np.arange(values_LxS.shape[0] + 1) - 0.5
     image = ax.pcolormesh(cell_edges(steps), layer_edges, np.ma.masked_invalid(values_LxS),
                           shading="flat")

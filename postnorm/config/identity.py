@@ -15,7 +15,8 @@ PROCESS_SECTIONS = ("runtime",)
 # (``mesh.*``), not the function any finite step computes. (A run recorded before one of them
 # existed resumes too.)
 RESUMABLE_FIELDS = ("train.log_every", "train.eval_every", "train.ckpt_every",
-                    "train.keep_ckpts", "diag.every", "train.nonfinite", "train.max_rollbacks",
+                    "train.keep_ckpts", "diag.every", "diag.dense_every", "diag.dense_until",
+                    "train.nonfinite", "train.max_rollbacks",
                     "train.rollback_lr_factor", "data.data_dir", "model.remat",
                     "model.scan_unroll", "model.attention", "model.attention_block", "mesh.*")
 
@@ -37,6 +38,8 @@ FIELDS_ADDED = (
      "monitor.warn_persistence", "monitor.warn_loss_rtol", "monitor.action", "monitor.rollback",
      "monitor.max_actions", "monitor.lr_factor", "monitor.layer_lr_factor",
      "monitor.clip_norm", "monitor.clip_factor"),
+    # the diagnostic step's dense early phase
+    ("diag.dense_every", "diag.dense_until"),
 )
 DEFAULTS_KEEP_EARLIER_RUNS = tuple(field for added in FIELDS_ADDED for field in added)
 

@@ -122,7 +122,12 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.grad_repair_threshold = 1.0
 
     c.diag = ml_collections.ConfigDict()
-    c.diag.every = 10  # diag_step (per-layer statistics) runs at step 1 and every `every` steps
+    # diag_step (per-layer statistics) runs at step 1, every `every` steps, and every
+    # `dense_every` steps up to step `dense_until` (0: no dense phase;
+    # postnorm.diagnostics.schedule)
+    c.diag.every = 10
+    c.diag.dense_every = 10
+    c.diag.dense_until = 0
 
     # the collapse early-warning monitor (postnorm.diagnostics.early_warning), at every
     # diagnostic step, with the collapse rule's thresholds: watch when a layer's tsim reaches

@@ -11,6 +11,7 @@ from clu import parameter_overview
 
 from postnorm.data import LMData
 from postnorm.diagnostics.early_warning import DEFAULT_RULE, monitor_rule_from
+from postnorm.diagnostics.schedule import is_diagnostic_step
 from postnorm.errors import NonFiniteError
 from postnorm.files import write_json_atomic
 from postnorm.runtime.mesh import batch_sharding
@@ -146,7 +147,7 @@ def _train_loop(exp: Experiment, ckpt: Checkpointer, watch: PreemptionWatch,
             positions[step] = data_iter.get_state()
         local_batch = next(data_iter)
         batch = global_batch(local_batch, sharding)
-        is_diag = step % config.diag.every == 0 or step == 1
+        is_diag = is_diagnostic_step(step, config.diag)
         program = "diag" if is_diag else "train"
         compiling = program not in called
         called.add(program)

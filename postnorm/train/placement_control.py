@@ -2,9 +2,9 @@
 Post-Norm share lambda moves, from the diagnostic step's own statistics.
 
 It runs inside the diagnostic step (``postnorm.train.steps.diag_step``), so lambda moves at the
-diagnostics' cadence (``diag.every``), without a host round trip, identically on every process,
-and is kept or thrown away with the rest of the step by the non-finite guard. lambda is part of
-the training state, so a checkpoint holds it and a resume continues from it.
+diagnostic steps (``postnorm.diagnostics.schedule``), without a host round trip, identically on
+every process, and is kept or thrown away with the rest of the step by the non-finite guard.
+lambda is part of the training state, so a checkpoint holds it and a resume continues from it.
 """
 
 import dataclasses

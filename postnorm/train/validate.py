@@ -145,8 +145,11 @@ def check_opt(config: ml_collections.ConfigDict) -> None:
 
 def check_train(config: ml_collections.ConfigDict) -> None:
     for path in ("train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
-                 "train.ckpt_every", "train.keep_ckpts", "train.max_rollbacks", "diag.every"):
+                 "train.ckpt_every", "train.keep_ckpts", "train.max_rollbacks", "diag.every",
+                 "diag.dense_every"):
         _positive_int(config, path)
+    _require(config, "diag.dense_until", lambda v: _is_int(v) and v >= 0,
+             "an integer >= 0 (0: no dense phase)")
     _one_of(config, "train.nonfinite", NONFINITE_POLICIES)
     _require(config, "train.rollback_lr_factor", lambda v: _is_num(v) and 0 < v < 1,
              "a number in (0, 1)")
