@@ -13,8 +13,18 @@ fed as the layer-0 residual stream. Per layer it records tsim at every sublayer 
   one weight draw), and ``d_*_pm`` = the same change averaged over the sign of the branch's
   output matrix (+W, -W) as a ratio of expectations, without the norm: the theorems' Delta.
   With t = tsim(X), t_F = tsim(F) and e = ||F||^2/||X||^2 it is e (t_F - t) / (1 + e);
-* the closed forms at the measured t and the measured amounts: s = e_attn / f2(t) (Thm 3.2,
-  since e_attn = s f2(t)) and xi = e_ffn / m(1) (Thm 3.4, since e_ffn = xi m(1));
+* the closed forms at the measured t and amounts inferred from the measured energies:
+  s_inferred = e_attn / f2(t) (Thm 3.2, since e_attn = s f2(t) for an EC state; it absorbs part
+  of the EC and softmax deviations, so it is not the paper's s) and xi = e_ffn / m(1) (Thm 3.4,
+  since e_ffn = xi m(1));
+* Thm 3.2 at the nominal s, the paper's s = n d^2 sigma_W^2 / ||X||^2 (1/9 at the default
+  init for RMS-1 rows), per layer: s_nominal = s ||H||^2 / ||X||^2 with H the attention's input
+  (X in Post-Norm, RMSNorm(X) in Pre-Norm), the closed form there, and the exact one-step
+  Delta of the measured state X at that s: with uniform attention and E[W W^T] = s I,
+  (||1^T X||^2 + s ||1^T P H||^2) / (n (||X||_F^2 + s ||P H||_F^2)) - tsim(X), which drops only
+  the equicorrelation assumption; and how far from equicorrelated the state is: the mean and
+  standard deviation of the pairwise cosines of X's rows against the EC value rho(t)
+  (``monte_carlo.stack_ec_statistics``);
 * the FFN energy ratio e_ffn against the nominal xi m(1) (FFN damping);
 * the mean-field Gram recursion from the measured input Gram and the scalar closure from the
   measured input tsim, both with the config's nominal s, xi and a. Along the mean-field
@@ -106,20 +116,32 @@ def derived(stats: dict[str, np.ndarray], amt: theory.Amounts, n: int) -> dict[s
     t_attn, t_ffn = stats["tsim_attn"], stats["tsim_ffn"]
     t_out = np.append(t_attn[1:], stats["tsim_final"])
     e_attn, e_ffn = stats["energy_ratio_attn"], stats["energy_ratio_ffn"]
-    s_measured = e_attn / theory.attn_f2(t_attn, n)
+    s_inferred = e_attn / theory.attn_f2(t_attn, n)
     xi_measured = e_ffn / theory.gate_kernel(1.0, amt.a)
     return {
         "t_attn": t_attn, "t_ffn": t_ffn, "t_out": t_out,
         "d_attn": t_ffn - t_attn,
         "d_attn_pm": e_attn * (stats["tsim_branch_attn"] - t_attn) / (1.0 + e_attn),
-        "d_attn_closed": theory.delta_attn(s_measured, t_attn, n),
-        "s_measured": s_measured,
+        "d_attn_closed_s_inferred": theory.delta_attn(s_inferred, t_attn, n),
+        "s_inferred": s_inferred,
         "d_ffn": t_out - t_ffn,
         "d_ffn_pm": e_ffn * (stats["tsim_branch_ffn"] - t_ffn) / (1.0 + e_ffn),
         "d_ffn_closed": theory.delta_ffn(xi_measured, t_ffn, n, amt.a),
         "xi_m1_measured": e_ffn,
         "attn_tv_uniform": stats["attn_tv_uniform"],
     }
+
+
+def ec_derived(ec: dict[str, np.ndarray], amt: theory.Amounts, n: int) -> dict[str, np.ndarray]:
+    """Per layer, Thm 3.2 at the nominal s on the measured state, and its distance from EC."""
+    t = ec["residual_sum_sq"] / (n * ec["residual_sq"])
+    s_nominal = amt.s * ec["branch_in_sq"] / ec["residual_sq"]
+    exact = ((ec["residual_sum_sq"] + amt.s * ec["prefix_sum_sq"])
+             / (n * (ec["residual_sq"] + amt.s * ec["prefix_sq"])) - t)
+    return {"s_nominal": s_nominal,
+            "d_attn_closed_s_nominal": theory.delta_attn(s_nominal, t, n),
+            "d_attn_exact_s_nominal": exact, "rho_ec": theory.ec_rho(t, n),
+            "corr_mean": ec["corr_mean"], "corr_sd": ec["corr_sd"]}
 
 
 def _numpy(stats: dict[str, jax.Array]) -> dict[str, np.ndarray]:
@@ -132,6 +154,7 @@ def run_seed(spec: ModelSpec, fns: dict, params: dict, x0_1xNxD: jax.Array,
     n = spec.max_len
     start = time.perf_counter()
     out = derived(_numpy(fns["softmax"](params, x0_1xNxD)), amt, n)
+    out.update(ec_derived(_numpy(fns["ec"](params, x0_1xNxD)), amt, n))
     logging.info("%s stack forward: %.1f s", spec.norm, time.perf_counter() - start)
     x0 = np.asarray(x0_1xNxD[0], np.float64)
     maps = PLACEMENTS[spec.norm].gram_maps(spec)
@@ -150,7 +173,7 @@ def run_seed(spec: ModelSpec, fns: dict, params: dict, x0_1xNxD: jax.Array,
     if "uniform" in fns:
         uniform = derived(_numpy(fns["uniform"](params, x0_1xNxD)), amt, n)
         out["uniform_d_attn_pm"] = uniform["d_attn_pm"]
-        out["uniform_d_attn_closed"] = uniform["d_attn_closed"]
+        out["uniform_d_attn_closed_s_inferred"] = uniform["d_attn_closed_s_inferred"]
     if "centered" in fns:
         ablated = _numpy(fns["centered"](params, x0_1xNxD))
         out["ablation_t_out"] = np.append(ablated["tsim_attn"][1:], ablated["tsim_final"])
@@ -168,12 +191,25 @@ def aggregate(per_seed: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     return out
 
 
-def acceptance(agg: dict[str, np.ndarray]) -> dict[str, float]:
+def compared(measured: np.ndarray, reference: np.ndarray) -> dict[str, float | int | None]:
+    """Per-layer relative error of ``measured`` against ``reference``: the worst layer and its
+    error, the mean |error|, the layers beyond 10%, and the first layer from which every layer
+    is within 10% (None if the last is not)."""
+    rel = measured / reference - 1.0
+    layer = int(np.argmax(np.abs(rel)))
+    beyond = np.flatnonzero(np.abs(rel) > 0.1)
+    within_from = 0 if beyond.size == 0 else int(beyond[-1]) + 1
+    return {"worst_layer": layer, "worst_rel_err": float(rel[layer]),
+            "mean_abs_rel_err": float(np.mean(np.abs(rel))),
+            "layers_beyond_10pct": int(beyond.size),
+            "within_10pct_from_layer": within_from if within_from < len(rel) else None}
+
+
+def acceptance(agg: dict[str, np.ndarray]) -> dict[str, object]:
     """The figures of merit of one (norm, input)."""
     def worst(measured: np.ndarray, closed: np.ndarray) -> tuple[int, float]:
-        rel = measured / closed - 1.0
-        layer = int(np.argmax(np.abs(rel)))
-        return layer, float(rel[layer])
+        found = compared(measured, closed)
+        return found["worst_layer"], found["worst_rel_err"]
 
     out = {
         "tsim_in": float(agg["t_attn"][0]), "tsim_final": float(agg["t_out"][-1]),
@@ -186,21 +222,34 @@ def acceptance(agg: dict[str, np.ndarray]) -> dict[str, float]:
         "ffn_over_attn_median": float(np.median(np.abs(agg["d_ffn_pm"]) / agg["d_attn_pm"])),
         "ffn_over_attn_max": float(np.max(np.abs(agg["d_ffn_pm"]) / agg["d_attn_pm"])),
         "xi_m1_measured_mean": float(agg["xi_m1_measured"].mean()),
-        "s_measured_first": float(agg["s_measured"][0]),
-        "s_measured_last": float(agg["s_measured"][-1]),
+        "s_inferred_first": float(agg["s_inferred"][0]),
+        "s_inferred_last": float(agg["s_inferred"][-1]),
+        "s_nominal_first": float(agg["s_nominal"][0]),
+        "s_nominal_last": float(agg["s_nominal"][-1]),
+        # Thm 3.2 at the nominal s: the measured +-W Delta against the closed form and against
+        # the exact Delta of the measured state; the latter two against each other isolate the
+        # equicorrelation assumption
+        "attn_pm_vs_closed_s_nominal": compared(agg["d_attn_pm"], agg["d_attn_closed_s_nominal"]),
+        "attn_pm_vs_exact_s_nominal": compared(agg["d_attn_pm"], agg["d_attn_exact_s_nominal"]),
+        "attn_exact_vs_closed_s_nominal": compared(agg["d_attn_exact_s_nominal"],
+                                                   agg["d_attn_closed_s_nominal"]),
+        "corr_sd_first": float(agg["corr_sd"][0]), "corr_sd_last": float(agg["corr_sd"][-1]),
+        "corr_sd_max": float(agg["corr_sd"].max()),
+        # Thm 3.4: the measured +-W Delta_FFN against the closed form at the measured (t, xi)
+        "ffn_pm_vs_closed": compared(agg["d_ffn_pm"], agg["d_ffn_closed"]),
     }
     for name, measured in (("pm", agg["d_attn_pm"]), ("direct", agg["d_attn"])):
-        layer, rel = worst(measured, agg["d_attn_closed"])
-        out[f"worst_layer_attn_{name}"], out[f"worst_rel_err_attn_{name}"] = layer, rel
-        out[f"mean_abs_rel_err_attn_{name}"] = float(
-            np.mean(np.abs(measured / agg["d_attn_closed"] - 1.0)))
+        found = compared(measured, agg["d_attn_closed_s_inferred"])
+        out[f"worst_layer_attn_{name}"] = found["worst_layer"]
+        out[f"worst_rel_err_attn_{name}"] = found["worst_rel_err"]
+        out[f"mean_abs_rel_err_attn_{name}"] = found["mean_abs_rel_err"]
     layer, rel = worst(agg["meanfield_d_attn"], agg["meanfield_d_attn_closed"])
     out["worst_layer_attn_meanfield"], out["worst_rel_err_attn_meanfield"] = layer, rel
     if "uniform_d_attn_pm" in agg:
-        layer, rel = worst(agg["uniform_d_attn_pm"], agg["uniform_d_attn_closed"])
-        out["worst_layer_attn_pm_uniform"], out["worst_rel_err_attn_pm_uniform"] = layer, rel
-        out["mean_abs_rel_err_attn_pm_uniform"] = float(
-            np.mean(np.abs(agg["uniform_d_attn_pm"] / agg["uniform_d_attn_closed"] - 1.0)))
+        found = compared(agg["uniform_d_attn_pm"], agg["uniform_d_attn_closed_s_inferred"])
+        out["worst_layer_attn_pm_uniform"] = found["worst_layer"]
+        out["worst_rel_err_attn_pm_uniform"] = found["worst_rel_err"]
+        out["mean_abs_rel_err_attn_pm_uniform"] = found["mean_abs_rel_err"]
     if "ablation_t_out" in agg:
         out["ablation_tsim_final"] = float(agg["ablation_t_out"][-1])
     return out
@@ -219,10 +268,12 @@ def amounts_table(d_model: int, d_ff: int) -> list[dict[str, float | str]]:
 
 
 CSV_KEYS = ("t_attn", "t_ffn", "t_out", "d_attn", "d_attn_se", "d_attn_pm", "d_attn_pm_se",
-            "d_attn_closed", "s_measured", "d_ffn", "d_ffn_se", "d_ffn_pm", "d_ffn_pm_se",
-            "d_ffn_closed", "xi_m1_measured", "attn_tv_uniform", "meanfield_attn",
-            "meanfield_ffn", "meanfield_d_attn", "meanfield_d_attn_closed", "scalar_attn",
-            "scalar_ffn", "ablation_t_out", "uniform_d_attn_pm", "uniform_d_attn_closed")
+            "d_attn_closed_s_inferred", "s_inferred", "s_nominal", "d_attn_closed_s_nominal",
+            "d_attn_exact_s_nominal", "rho_ec", "corr_mean", "corr_sd", "d_ffn", "d_ffn_se",
+            "d_ffn_pm", "d_ffn_pm_se", "d_ffn_closed", "xi_m1_measured", "attn_tv_uniform",
+            "meanfield_attn", "meanfield_ffn", "meanfield_d_attn", "meanfield_d_attn_closed",
+            "scalar_attn", "scalar_ffn", "ablation_t_out", "uniform_d_attn_pm",
+            "uniform_d_attn_closed_s_inferred")
 
 
 def write_csv(path: str, results: dict[tuple[str, str], dict[str, np.ndarray]]) -> None:
@@ -233,6 +284,12 @@ def write_csv(path: str, results: dict[tuple[str, str], dict[str, np.ndarray]]) 
             for layer in range(len(agg["t_attn"])):
                 writer.writerow((norm, source, layer) + tuple(
                     f"{agg[k][layer]:.6e}" if k in agg else "" for k in CSV_KEYS))
+
+
+def _errors(found: dict) -> str:
+    """A ``compared`` record as worst (layer) / mean |error| / layers beyond 10%."""
+    return (f"{found['worst_rel_err']:+.3f} ({found['worst_layer']}) / "
+            f"{found['mean_abs_rel_err']:.3f} / {found['layers_beyond_10pct']}")
 
 
 def _optional(fig: dict, value: str, layer: str) -> str:
@@ -254,7 +311,8 @@ def write_markdown(path: str, meta: dict, results: dict, figures: dict) -> None:
     lines += ["", "## Summary", "",
               "`pm`: one-step change averaged over +-W (theorems' Delta); `direct`: tsim after "
               "minus before the sublayer, its norm included, one draw. Relative errors are "
-              "against the closed form at the measured (t, s); means over seeds.", ""]
+              "against the closed form at the measured t and s_inferred = e_attn / f2(t) (not "
+              "the paper's s: the next table has that); means over seeds.", ""]
     header = ["norm/input", "tsim in", "tsim final", "mean-field", "scalar", "min d_attn",
               "worst pm err (layer)", "worst direct err (layer)", "worst pm err, uniform attn",
               "mean-field EC gap (layer)", r"\|dFFN\| / dattn med (max)",
@@ -274,23 +332,59 @@ def write_markdown(path: str, meta: dict, results: dict, figures: dict) -> None:
                      (f"{fig['ablation_tsim_final']:.4f}" if "ablation_tsim_final" in fig
                       else "-")])
     lines += markdown_table(header, rows)
+    lines += ["", "## Thm 3.2 at the nominal s, and Thm 3.4, per setting", "",
+              "s_nominal = s ||H||^2/||X||^2 (H the attention's input); `closed`: the EC closed "
+              "form at (t, s_nominal); `exact`: the one-step Delta of the measured state at "
+              "s_nominal under uniform attention (no EC assumption); `pm`: the measured +-W "
+              "Delta. Each error cell: worst (layer) / mean |error| / layers beyond 10%. "
+              "corr sd: the standard deviation of the pairwise cosines of the layer input's "
+              "rows (0 for an EC state). Thm 3.4: +-W Delta_FFN against its closed form at the "
+              "measured (t, xi), and the first layer from which every layer is within 10%.", ""]
+    lines += markdown_table(
+        ["norm/input", "s_nominal first, last", "s_inferred first, last", "pm vs closed",
+         "pm vs exact", "exact vs closed", "corr sd first, last (max)", "FFN pm vs closed",
+         "FFN within 10% from layer"],
+        [[f"{norm}/{source}",
+          f"{fig['s_nominal_first']:.4f}, {fig['s_nominal_last']:.4f}",
+          f"{fig['s_inferred_first']:.4f}, {fig['s_inferred_last']:.4f}",
+          _errors(fig["attn_pm_vs_closed_s_nominal"]), _errors(fig["attn_pm_vs_exact_s_nominal"]),
+          _errors(fig["attn_exact_vs_closed_s_nominal"]),
+          f"{fig['corr_sd_first']:.3f}, {fig['corr_sd_last']:.3f} ({fig['corr_sd_max']:.3f})",
+          _errors(fig["ffn_pm_vs_closed"]), str(fig["ffn_pm_vs_closed"]["within_10pct_from_layer"])]
+         for (norm, source), fig in figures.items()])
     for (norm, source), agg in results.items():
         n_layers = len(agg["t_attn"])
         shown = sorted(set(np.linspace(0, n_layers - 1, min(TABLE_ROWS, n_layers)).astype(int)))
         lines += ["", f"## {norm} / {source}", ""]
-        keys = ["t_attn", "d_attn", "d_attn_pm", "d_attn_closed", "meanfield_d_attn",
-                "meanfield_d_attn_closed", "s_measured", "d_ffn_pm",
+        keys = ["t_attn", "d_attn", "d_attn_pm", "d_attn_closed_s_inferred", "meanfield_d_attn",
+                "meanfield_d_attn_closed", "s_inferred", "d_ffn_pm",
                 "d_ffn_closed", "t_out", "meanfield_ffn", "scalar_ffn"]
         keys += ["ablation_t_out"] if "ablation_t_out" in agg else []
         lines += markdown_table(["layer"] + keys,
                                  [[str(i)] + [f"{agg[k][i]:.4g}" for k in keys] for i in shown])
+        lines += ["", f"### {norm} / {source}: Thm 3.2 at both s readings and Thm 3.4, every "
+                  "layer", ""]
+        lines += markdown_table(
+            ["layer", "t", "rho(t)", "corr mean", "corr sd", "s_inferred", "s_nominal",
+             "pm", "closed (s_inferred)", "closed (s_nominal)", "exact (s_nominal)",
+             "pm/closed(s_nominal) - 1", "exact/closed(s_nominal) - 1", "dFFN pm",
+             "dFFN closed", "dFFN pm/closed - 1"],
+            [[str(i)] + [f"{agg[k][i]:.4g}" for k in (
+                "t_attn", "rho_ec", "corr_mean", "corr_sd", "s_inferred", "s_nominal",
+                "d_attn_pm", "d_attn_closed_s_inferred", "d_attn_closed_s_nominal",
+                "d_attn_exact_s_nominal")]
+             + [f"{agg['d_attn_pm'][i] / agg['d_attn_closed_s_nominal'][i] - 1:+.3f}",
+                f"{agg['d_attn_exact_s_nominal'][i] / agg['d_attn_closed_s_nominal'][i] - 1:+.3f}",
+                f"{agg['d_ffn_pm'][i]:.4g}", f"{agg['d_ffn_closed'][i]:.4g}",
+                f"{agg['d_ffn_pm'][i] / agg['d_ffn_closed'][i] - 1:+.3f}"]
+             for i in range(n_layers)])
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
 
 def plot(path: str, results: dict) -> None:
     norms = sorted({norm for norm, _ in results}, reverse=True)
-    fig, axes = plt.subplots(len(norms), 3, figsize=(16, 4.5 * len(norms)), squeeze=False)
+    fig, axes = plt.subplots(len(norms), 4, figsize=(21, 4.5 * len(norms)), squeeze=False)
     for row, norm in zip(axes, norms, strict=True):
         for color, source in zip(("C0", "C1"), INPUTS, strict=True):
             agg = results.get((norm, source))
@@ -313,17 +407,29 @@ def plot(path: str, results: dict) -> None:
             if "ablation_t_out" in agg:
                 ax.plot(depth, with_input(agg["ablation_t_out"]), "-x", color=color, alpha=0.6,
                         label=f"{source}: ablation (A - P)")
+            closed_color = "k" if color == "C0" else "grey"
             for ax, kind in ((row[1], "attn"), (row[2], "ffn")):
                 ax.plot(layers, agg[f"d_{kind}"], ".", color=color, alpha=0.5,
                         label=f"{source}: direct")
                 ax.plot(layers, agg[f"d_{kind}_pm"], "-", color=color, label=f"{source}: +-W")
-                ax.plot(layers, agg[f"d_{kind}_closed"], "--", color="k" if color == "C0"
-                        else "grey", label=f"{source}: closed form at measured t")
-            row[1].plot(layers, agg["meanfield_d_attn"], "-.", color=color, alpha=0.7,
-                        label=f"{source}: mean-field one step")
+            row[1].plot(layers, agg["d_attn_closed_s_inferred"], "--", color=closed_color,
+                        label=f"{source}: closed form, s_inferred")
+            row[1].plot(layers, agg["d_attn_closed_s_nominal"], ":", color=closed_color,
+                        label=f"{source}: closed form, nominal s")
+            row[1].plot(layers, agg["d_attn_exact_s_nominal"], "-", color=closed_color,
+                        alpha=0.5, label=f"{source}: exact on the measured state, nominal s")
+            row[2].plot(layers, agg["d_ffn_closed"], "--", color=closed_color,
+                        label=f"{source}: closed form at measured (t, xi)")
+            row[3].plot(layers, agg["corr_mean"], "-", color=color,
+                        label=f"{source}: mean pairwise cosine")
+            row[3].fill_between(layers, agg["corr_mean"] - agg["corr_sd"],
+                                agg["corr_mean"] + agg["corr_sd"], color=color, alpha=0.2,
+                                label=f"{source}: +- its sd (0 if EC)")
+            row[3].plot(layers, agg["rho_ec"], "--", color=closed_color,
+                        label=f"{source}: EC value rho(t)")
         titles = ("tsim after each layer", "one-step Delta_attn (Thm 3.2)",
-                  "one-step Delta_FFN (Thm 3.4)")
-        for ax, title, xlabel in zip(row, titles, ("layers applied", "layer", "layer"),
+                  "one-step Delta_FFN (Thm 3.4)", "layer input: pairwise cosines vs EC")
+        for ax, title, xlabel in zip(row, titles, ("layers applied", "layer", "layer", "layer"),
                                      strict=True):
             ax.set_title(f"{norm}-norm: {title}")
             ax.set_xlabel(xlabel)
@@ -393,7 +499,8 @@ def run(config: ml_collections.ConfigDict, *, seeds: int, norms: list[str], inpu
             config.model.init_tsim_target, config.model.init_tsim_input)
         gains[norm] = spec.attn_out_gain
         norm_amt = amt.with_gains(init_gains(spec))
-        fns = {"softmax": monte_carlo.stack_statistics(spec, "softmax")}
+        fns = {"softmax": monte_carlo.stack_statistics(spec, "softmax"),
+               "ec": monte_carlo.stack_ec_statistics(spec)}
         if ablation and norm == "post":
             fns["centered"] = monte_carlo.stack_statistics(spec, "centered")
         if uniform_check and norm == "post":

@@ -17,6 +17,7 @@ from postnorm.model.initializers import embedding_init
 from postnorm.model.layers import CausalSelfAttention, RMSNorm, SwiGLU
 from postnorm.model.placements import init_gains
 from postnorm.theory import INIT_SCHEMES
+from tests import numpy_reference as ref
 
 Z = 4.0  # tolerance in Monte Carlo standard errors
 GRAM = {"post": theory.POST_GRAM, "pre": theory.PRE_GRAM}  # the theorems' two arrangements
@@ -439,6 +440,44 @@ def test_attention_modes_split_softmax_attention_into_uniform_and_centered():
     uniform = numpy_prefix_matrix(n) @ np.asarray(x_1xNxD[0], np.float64) @ w["w_v"] @ w["w_o"]
     np.testing.assert_allclose(out["uniform"][0], uniform, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(out["centered"], out["softmax"] - out["uniform"], atol=1e-5)
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_ec_statistics_are_those_of_each_layer_input(norm):
+    """``stack_ec_statistics`` against a numpy layer loop: per layer the residual input X, the
+    attention's input H (X in Post-Norm, RMSNorm(X) in Pre-Norm), the prefix means P H, and the
+    pairwise cosines of X's rows."""
+    n, d, n_layers = 12, 32, 3
+    spec = ModelSpec(vocab_size=2, max_len=n, n_layers=n_layers, d_model=d, n_heads=4,
+                     d_ff=3 * d, norm=norm, positions="none")
+    params = monte_carlo.init_stack_params(spec, jax.random.key(0))
+    x_1xNxD = jax.random.normal(jax.random.key(1), (1, n, d))
+    got = {k: np.asarray(v, np.float64)
+           for k, v in monte_carlo.stack_ec_statistics(spec)(params, x_1xNxD).items()}
+    prefix_NxN = numpy_prefix_matrix(n)
+    x = np.asarray(x_1xNxD[0], np.float64)
+    for layer in range(n_layers):
+        p = ref.layer_params(params, layer)
+
+        def norm_of(name, z, p=p):
+            return ref.rms_norm(z, p[name]["scale"], spec.norm_eps)
+
+        h = x if norm == "post" else norm_of("norm_attn", x)
+        unit = x / np.linalg.norm(x, axis=1, keepdims=True)
+        cos = (unit @ unit.T)[~np.eye(n, dtype=bool)]
+        want = {"residual_sq": np.sum(x * x), "residual_sum_sq": np.sum(x.sum(0) ** 2),
+                "branch_in_sq": np.sum(h * h), "prefix_sq": np.sum((prefix_NxN @ h) ** 2),
+                "prefix_sum_sq": np.sum((prefix_NxN @ h).sum(0) ** 2),
+                "corr_mean": cos.mean(), "corr_sd": cos.std()}
+        for name, value in want.items():
+            np.testing.assert_allclose(got[name][layer], value, rtol=2e-4, err_msg=name)
+        attn = ref.attention(h, p["attn"], 4, "none", 1e4)
+        if norm == "post":
+            x = norm_of("norm_attn", x + attn)
+            x = norm_of("norm_ffn", x + ref.swiglu(x, p["ffn"]))
+        else:
+            x = x + attn
+            x = x + ref.swiglu(norm_of("norm_ffn", x), p["ffn"])
 
 
 @pytest.mark.parametrize("norm,init,mode,n_layers", [

@@ -7,7 +7,9 @@
 * ``mc_gate_kernel``: the gate kernel m(rho; a) by sampling.
 * ``vjp_contraction``: Thm 3.6's c through ``jax.vjp`` of the model's ``RMSNorm``.
 * ``LayerStack`` / ``stack_statistics``: the model's scanned layer stack run on a given residual
-  stream, with real softmax, uniform (P) or prefix-centred (A - P) attention, for §3.
+  stream, with real softmax, uniform (P) or prefix-centred (A - P) attention, for §3;
+  ``stack_ec_statistics``: per layer, what Thm 3.2's one-step Delta needs from the measured
+  state without the equicorrelation assumption, and how far the state is from equicorrelated.
 
 Weight-space expectations are estimated as ratios of means over antithetic pairs (+W, -W) of
 the last matrix of a branch, which cancels the skip-branch cross term exactly; standard errors
@@ -32,6 +34,15 @@ from postnorm.model.layers import CausalSelfAttention, RMSNorm, SwiGLU
 from postnorm.theory import kernel_variance
 
 ATTENTION_MODES = ("softmax", "uniform", "centered")
+# Per layer, at the attention sublayer: X its residual input, H the attention's input (X in
+# Post-Norm, RMSNorm(X) in Pre-Norm), P causal prefix averaging, 1 the all-ones vector.
+EC_STATS = ("residual_sq",  # ||X||_F^2
+            "residual_sum_sq",  # ||1^T X||^2 (tsim(X) = residual_sum_sq / (n residual_sq))
+            "branch_in_sq",  # ||H||_F^2
+            "prefix_sq",  # ||P H||_F^2
+            "prefix_sum_sq",  # ||1^T P H||^2
+            "corr_mean",  # mean over token pairs i != j of cos(x_i, x_j)
+            "corr_sd")  # their standard deviation: 0 for an equicorrelated state
 STACK_STATS = ("tsim_attn", "tsim_ffn", "tsim_branch_attn", "tsim_branch_ffn", "energy_ratio_attn",
                "energy_ratio_ffn", "attn_tv_uniform")
 
@@ -188,11 +199,13 @@ class LayerStack(nn.Module):
     """
 
     spec: ModelSpec
+    sow_layers: bool = False  # stack what the layers sow ("intermediates") over the layer axis
 
     @nn.compact
     def __call__(self, x_BxLxD: jax.Array,
                  probes_Lx2xS: jax.Array | None) -> tuple[jax.Array, dict | None]:
-        stack = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+        axes = {"params": 0, **({"intermediates": 0} if self.sow_layers else {})}
+        stack = nn.scan(Block, variable_axes=axes, split_rngs={"params": True},
                         length=self.spec.n_layers, metadata_params={nn.PARTITION_NAME: "layers"})
         profile = PLACEMENTS[self.spec.norm].post_mix(self.spec)
         post_mix_Lx2 = None if profile is None else jnp.asarray(profile)
@@ -243,6 +256,62 @@ def attention_mode(mode: str) -> Iterator[None]:
 
     with nn.intercept_methods(interceptor):
         yield
+
+
+def _sum_sq(x_BxLxD: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(||X||_F^2, ||1^T X||^2) of the first sequence, in float32."""
+    x = x_BxLxD[0].astype(jnp.float32)
+    return jnp.sum(x * x), jnp.sum(jnp.sum(x, 0) ** 2)
+
+
+def _pair_cosines(x_BxLxD: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Mean and standard deviation of cos(x_i, x_j) over the pairs i != j of the first sequence."""
+    x = x_BxLxD[0].astype(jnp.float32)
+    unit = x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+    cos_NxN = unit @ unit.T
+    n = x.shape[0]
+    off = ~jnp.eye(n, dtype=bool)
+    mean = jnp.sum(jnp.where(off, cos_NxN, 0.0)) / (n * (n - 1))
+    var = jnp.sum(jnp.where(off, (cos_NxN - mean) ** 2, 0.0)) / (n * (n - 1))
+    return mean, jnp.sqrt(var)
+
+
+def _ec_interceptor(next_fun: Callable, args: tuple, kwargs: dict,
+                    context: nn.module.InterceptorContext) -> object:
+    """Sows ``EC_STATS`` from each layer's input (``Block``) and attention input."""
+    if context.method_name == "__call__" and isinstance(context.module, Block):
+        residual_sq, residual_sum_sq = _sum_sq(args[0])
+        corr_mean, corr_sd = _pair_cosines(args[0])
+        for name, value in (("residual_sq", residual_sq), ("residual_sum_sq", residual_sum_sq),
+                            ("corr_mean", corr_mean), ("corr_sd", corr_sd)):
+            context.module.sow("intermediates", name, value)
+    if context.method_name == "__call__" and isinstance(context.module, CausalSelfAttention):
+        h = args[0].astype(jnp.float32)
+        prefix = jnp.cumsum(h, axis=1) / jnp.arange(1, h.shape[1] + 1)[None, :, None]
+        for name, value in zip(("branch_in_sq", "prefix_sq", "prefix_sum_sq"),
+                               (_sum_sq(h)[0], *_sum_sq(prefix)), strict=True):
+            context.module.sow("intermediates", name, value)
+    return next_fun(*args, **kwargs)
+
+
+def _last_name(path: tuple) -> str:
+    """The innermost dict key of a pytree path (a sown value's name)."""
+    return next(k.key for k in reversed(path) if isinstance(k, jax.tree_util.DictKey))
+
+
+def stack_ec_statistics(spec: ModelSpec) -> Callable[[dict, jax.Array], dict[str, jax.Array]]:
+    """A jitted ``f(params, x_BxLxD)`` -> the ``EC_STATS`` of every layer ([n_layers] each) on
+    the first sequence, from the stack's forward with softmax attention."""
+    model = LayerStack(spec, sow_layers=True)
+
+    def run(params: dict, x_BxLxD: jax.Array) -> dict[str, jax.Array]:
+        with nn.intercept_methods(_ec_interceptor):
+            _, sown = model.apply({"params": params}, x_BxLxD, None, mutable=["intermediates"])
+        found = {_last_name(path): value for path, value
+                 in jax.tree_util.tree_flatten_with_path(sown["intermediates"])[0]}
+        return {name: found[name].reshape(spec.n_layers) for name in EC_STATS}
+
+    return jax.jit(run)
 
 
 def stack_statistics(spec: ModelSpec,
