@@ -1,6 +1,8 @@
 """Thm 3.6 where it bites, and Thm 3.8(ii) on trained networks, from recorded runs' diagnostics.
 
     python -m experiments.backward_decay --runs DIR[,DIR...] --out_dir OUT
+    python -m experiments.backward_decay --runs_under runs/leaderboard --methods post,pre \
+        --out_dir OUT
 
 For every finished run (a directory with ``metrics.jsonl`` and ``config.json``), from the taps
 and contractions logged at each diagnostic step (``postnorm.analysis.backward``):
@@ -18,12 +20,14 @@ Writes ``summary.json``, ``summary.md`` and ``backward_decay.png`` (Post and Pre
 """
 
 import collections
+import glob
 import os
 
 import matplotlib
 import numpy as np
 from absl import app, flags
 
+from configs.sweeps.leaderboard import method_label
 from postnorm.analysis import backward
 from postnorm.analysis.collapse import detect_collapse
 from postnorm.analysis.tables import cell, markdown_table
@@ -36,6 +40,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 flags.DEFINE_list("runs", [], "Run directories (Post and Pre runs; each finished).")
+flags.DEFINE_list("runs_under", [], "Directories whose every run (a metrics.jsonl below them) is "
+                  "read.")
+flags.DEFINE_list("methods", ["post", "pre"], "Keep the runs of these methods (the leaderboard's "
+                  "names, configs/sweeps/leaderboard.py; else model.norm).")
 flags.DEFINE_string("out_dir", None, "Directory for summary.json, summary.md and the figure.")
 FLAGS = flags.FLAGS
 
@@ -55,8 +63,8 @@ def run_record(workdir: str) -> dict:
     ratios = series.ratios()
     last = int(series.steps[-1])
     return {
-        "workdir": workdir, "norm": config["model"]["norm"], "lr": config["opt"]["lr"],
-        "seed": config["seed"], "n_layers": config["model"]["n_layers"],
+        "workdir": workdir, "method": method_label(config), "norm": config["model"]["norm"],
+        "lr": config["opt"]["lr"], "seed": config["seed"], "n_layers": config["model"]["n_layers"],
         "finished": max(r["step"] for r in records) >= config["train"]["steps"],
         "collapsed": detect_collapse(records).collapsed,
         "steps": series.steps.tolist(),
@@ -73,11 +81,11 @@ def run_record(workdir: str) -> dict:
 
 def with_similarity(rows: list[dict]) -> None:
     """Adds each row's Thm 3.8(ii) comparison, against the other placement's run with the same
-    lr and seed where one was given."""
-    by_key = {(r["norm"], r["lr"], r["seed"]): r for r in rows}
+    depth, lr and seed where one was given."""
+    by_key = {(r["norm"], r["n_layers"], r["lr"], r["seed"]): r for r in rows}
     for row in rows:
         other = {"post": "pre", "pre": "post"}.get(row["norm"])
-        reference = by_key.get((other, row["lr"], row["seed"]))
+        reference = by_key.get((other, row["n_layers"], row["lr"], row["seed"]))
         grads = {k: np.asarray(v) for k, v in row["layer_grads_last"].items()}
         ref_grads = (None if reference is None else
                      {k: np.asarray(v) for k, v in reference["layer_grads_last"].items()})
@@ -86,14 +94,15 @@ def with_similarity(rows: list[dict]) -> None:
 
 
 def by_setting(rows: list[dict]) -> list[dict]:
-    """Per (norm, lr): the last step's decay rate over seeds (mean, sd) and the runs' verdicts."""
+    """Per (norm, depth, lr): the last step's decay rate over seeds (mean, sd) and the runs'
+    verdicts."""
     groups = collections.defaultdict(list)
     for row in rows:
-        groups[(row["norm"], row["lr"])].append(row)
+        groups[(row["norm"], row["n_layers"], row["lr"])].append(row)
     out = []
-    for (norm, lr), group in sorted(groups.items()):
+    for (norm, n_layers, lr), group in sorted(groups.items()):
         rates = np.array([r["rate"][-1] for r in group])
-        out.append({"norm": norm, "lr": lr, "runs": len(group),
+        out.append({"norm": norm, "n_layers": n_layers, "lr": lr, "runs": len(group),
                     "collapsed": sum(r["collapsed"] for r in group),
                     "rate_last_mean": float(rates.mean()),
                     "rate_last_sd": float(rates.std(ddof=1)) if len(rates) > 1 else None,
@@ -106,11 +115,11 @@ def by_setting(rows: list[dict]) -> list[dict]:
 def markdown(rows: list[dict], settings: list[dict]) -> str:
     lines = ["## Per run, at the last diagnostic step", ""]
     lines += markdown_table(
-        ["norm", "lr", "seed", "collapsed", "decay rate per sublayer (± s.e.)",
+        ["norm", "layers", "lr", "seed", "collapsed", "decay rate per sublayer (± s.e.)",
          "geo. mean r_k", "geo. mean c_k", "‖dL/dX_0‖ / ‖dL/dX_2L‖", "layers tsim ≥ 0.99",
          "attn grad: those layers / others", "the same layers in the other placement",
          "FFN grad: those / others", "the same, other placement"],
-        [[r["norm"], cell(r["lr"]), str(r["seed"]), cell(r["collapsed"]),
+        [[r["norm"], str(r["n_layers"]), cell(r["lr"]), str(r["seed"]), cell(r["collapsed"]),
           f"{r['rate'][-1]:.4f} ± {r['rate_stderr'][-1]:.4f}",
           f"{r['ratio_geomean'][-1]:.4f}", f"{r['c_geomean'][-1]:.4f}",
           f"{r['dldx_last'][0] / r['dldx_last'][-1]:.3g}",
@@ -123,11 +132,11 @@ def markdown(rows: list[dict], settings: list[dict]) -> str:
           f"{cell(r['similarity']['ffn_other'], '.3g')}",
           f"{cell(r['similarity'].get('ffn_similar_reference'), '.3g')} / "
           f"{cell(r['similarity'].get('ffn_other_reference'), '.3g')}"] for r in rows])
-    lines += ["", "## Per placement and learning rate, over seeds", ""]
+    lines += ["", "## Per placement, depth and learning rate, over seeds", ""]
     lines += markdown_table(
-        ["norm", "lr", "runs", "collapsed", "decay rate, mean (sd)", "geo. mean r_k",
+        ["norm", "layers", "lr", "runs", "collapsed", "decay rate, mean (sd)", "geo. mean r_k",
          "geo. mean c_k"],
-        [[s["norm"], cell(s["lr"]), str(s["runs"]), str(s["collapsed"]),
+        [[s["norm"], str(s["n_layers"]), cell(s["lr"]), str(s["runs"]), str(s["collapsed"]),
           f"{s['rate_last_mean']:.4f} ({cell(s['rate_last_sd'], '.4f')})",
           f"{s['ratio_geomean_last_mean']:.4f}", f"{s['c_geomean_last_mean']:.4f}"]
          for s in settings])
@@ -178,13 +187,16 @@ def main(argv: list[str]) -> None:
     del argv
     if FLAGS.out_dir is None:
         raise app.UsageError("--out_dir is required")
-    rows = [run_record(workdir) for workdir in FLAGS.runs]
-    rows = [r for r in rows if r["finished"]]
+    found = sorted(os.path.dirname(p) for root in FLAGS.runs_under
+                   for p in glob.glob(os.path.join(root, "**", "metrics.jsonl"), recursive=True))
+    rows = [run_record(workdir) for workdir in [*FLAGS.runs, *found]]
+    rows = [r for r in rows if r["finished"] and r["method"] in FLAGS.methods]
     if not rows:
-        raise NoRunsError("no finished run among --runs: give run directories whose "
-                          "metrics.jsonl reaches train.steps")
+        raise NoRunsError(f"no finished run of --methods={','.join(FLAGS.methods)} among --runs "
+                          "and --runs_under: give run directories whose metrics.jsonl reaches "
+                          "train.steps")
     out_dir = make_output_dir(os.path.abspath(FLAGS.out_dir), "--out_dir")
-    rows.sort(key=lambda r: (r["norm"] != "post", r["lr"], r["seed"]))
+    rows.sort(key=lambda r: (r["norm"] != "post", r["n_layers"], r["lr"], r["seed"]))
     with_similarity(rows)
     settings = by_setting(rows)
     table = markdown(rows, settings)

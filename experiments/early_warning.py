@@ -19,7 +19,7 @@ import os
 
 from absl import app, flags, logging
 
-from configs.sweeps.leaderboard import METHOD_FIELDS, method_of
+from configs.sweeps.leaderboard import method_label
 from postnorm.analysis.collapse import detect_collapse, replay_monitor
 from postnorm.analysis.tables import cell, markdown_table
 from postnorm.diagnostics.early_warning import DEFAULT_MONITOR, MonitorRule
@@ -42,19 +42,6 @@ FLAGS = flags.FLAGS
 
 class NoRunsError(UserError):
     """No run directory was given or found."""
-
-
-def method_label(config: dict) -> str:
-    """The leaderboard's name for the run's method, or its ``model.norm``."""
-    fields = {}
-    for path in METHOD_FIELDS:
-        section, name = path.split(".")
-        if name in config.get(section, {}):
-            fields[path] = config[section][name]
-    try:
-        return method_of(fields)
-    except ValueError:
-        return config["model"]["norm"]
 
 
 def intervals_between(diag_steps: list[int], start: int, end: int) -> int:

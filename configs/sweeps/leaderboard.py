@@ -46,6 +46,20 @@ def method_of(overrides: dict[str, object]) -> str:
     raise ValueError(f"no method of the leaderboard sets {overrides}")
 
 
+def method_label(config: dict) -> str:
+    """The leaderboard's name for a recorded run's method (its ``config.json`` data), or its
+    ``model.norm``."""
+    fields = {}
+    for path in METHOD_FIELDS:
+        section, name = path.split(".")
+        if name in config.get(section, {}):
+            fields[path] = config[section][name]
+    try:
+        return method_of(fields)
+    except ValueError:
+        return config["model"]["norm"]
+
+
 def _run(method: str, lr: float, seed: int, **extra: object) -> dict[str, object]:
     return {**METHOD_FIELDS, **METHODS[method], "opt.lr": lr, "seed": seed, **extra}
 
