@@ -82,9 +82,11 @@ def setup(budget: str = "none"):
     return spec, params, tokens[:, :-1], tokens[:, 1:]
 
 
-def reference_loss(params, inputs, targets, spec, repair: bool, factors: list | None = None):
-    """Cross-entropy of a hand-written unscanned Post-Norm forward. With ``repair`` each residual
-    norm's input carries the factor in its backward pass only: f y + stop_gradient((1 - f) y)."""
+def reference_loss(params, inputs, targets, spec, repair: bool) -> tuple[jax.Array, list]:
+    """Cross-entropy of a hand-written unscanned Post-Norm forward, and the repair factors. With
+    ``repair`` each residual norm's input carries the factor in its backward pass only:
+    f y + stop_gradient((1 - f) y)."""
+    factors = []
     x = params["embedding"][inputs]
     if spec.residual_budget != "none":  # a budget caps the embedding rows' RMS at 1
         x = x / jnp.maximum(1.0, jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True)))
@@ -100,17 +102,29 @@ def reference_loss(params, inputs, targets, spec, repair: bool, factors: list | 
                 c = jnp.linalg.norm(scale_) / jnp.linalg.norm(y_, axis=-1, keepdims=True) * \
                     jnp.sqrt(y.shape[-1] / scale.shape[-1])  # eps (1e-6) left out: rtol 1e-4
                 f = jnp.where(c < RULE.threshold, jnp.minimum(1 / c, cap), 1.0)
-                if factors is not None:
-                    factors.append(f)
+                factors.append(f)
                 y = f * y + jax.lax.stop_gradient((1 - f) * y)
             x = ref.rms_norm(y, scale, spec.norm_eps)
-    return cross_entropy(ref.head(params, x, norm="post", eps=spec.norm_eps), targets)
+    return cross_entropy(ref.head(params, x, norm="post", eps=spec.norm_eps), targets), factors
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def reference_grads(params, inputs, targets, spec, repair: bool) -> tuple[dict, list]:
+    """The hand-written forward's parameter gradient (compiled), and its repair factors."""
+    return jax.grad(reference_loss, has_aux=True)(params, inputs, targets, spec, repair)
 
 
 def model_grads(spec, params, inputs, targets, **apply_kwargs):
-    def loss(p):
-        return cross_entropy(Decoder(spec).apply({"params": p}, inputs, **apply_kwargs), targets)
-    return jax.grad(loss)(params)
+    return _model_grad_fn(spec, tuple(sorted(apply_kwargs.items())))(params, inputs, targets)
+
+
+@functools.cache
+def _model_grad_fn(spec, apply_kwargs: tuple):
+    """The Decoder's compiled parameter gradient, once per spec and apply arguments."""
+    def loss(p, inputs, targets):
+        return cross_entropy(Decoder(spec).apply({"params": p}, inputs, **dict(apply_kwargs)),
+                             targets)
+    return jax.jit(jax.grad(loss))
 
 
 def assert_trees_close(got, want, rtol):
@@ -123,8 +137,7 @@ def assert_trees_close(got, want, rtol):
 @pytest.mark.parametrize("budget", ["none", pytest.param("penalty", marks=pytest.mark.slow)])
 def test_the_repaired_gradient_against_a_hand_written_forward(budget):
     spec, params, inputs, targets = setup(budget)
-    factors = []
-    want = jax.grad(reference_loss)(params, inputs, targets, spec, True, factors)
+    want, factors = reference_grads(params, inputs, targets, spec, True)
     all_factors = np.concatenate([np.asarray(f).ravel() for f in factors])
     cap = RULE.sublayer_cap(spec.n_layers)
     assert (all_factors == 1).any() and np.isclose(all_factors, cap).any()
@@ -132,7 +145,7 @@ def test_the_repaired_gradient_against_a_hand_written_forward(budget):
     assert_trees_close(model_grads(spec, params, inputs, targets), want, rtol=2e-4)
     # repair off: the loss's own gradient, and the forward is the same either way
     plain = dataclasses.replace(spec, grad_repair=None)
-    true = jax.grad(reference_loss)(params, inputs, targets, spec, False)
+    true = reference_grads(params, inputs, targets, spec, False)[0]
     assert_trees_close(model_grads(spec, params, inputs, targets, repair=False), true, rtol=2e-4)
     for a, b in zip(jax.tree.leaves(model_grads(spec, params, inputs, targets, repair=False)),
                     jax.tree.leaves(model_grads(plain, params, inputs, targets)), strict=True):
@@ -180,8 +193,8 @@ def test_the_diagnostic_step_reports_the_true_and_the_repaired_gradient():
     assert (got["repaired_dldx_norm_attn"][0] > got["dldx_norm_attn"][0])
     np.testing.assert_allclose(got["repaired_dldx_norm_final"], got["dldx_norm_final"],
                                rtol=1e-6)  # above every norm: nothing repaired yet
-    repaired = jax.grad(reference_loss)(params, inputs, targets, spec, True)
-    true = jax.grad(reference_loss)(params, inputs, targets, spec, False)
+    repaired = reference_grads(params, inputs, targets, spec, True)[0]
+    true = reference_grads(params, inputs, targets, spec, False)[0]
     for layer in range(spec.n_layers):
         per_layer = [jax.tree.leaves(jax.tree.map(lambda a, layer=layer: a[layer], g["layers"]))
                      for g in (repaired, true)]
