@@ -30,3 +30,34 @@ def test_the_early_warning_table_matches_its_replays():
                   for line in alarms) == ["periln 0.003", "sandwich 0.003"]
     assert "| 2 | 3 of 3 | 160–180 steps (16–18 intervals) | 2: sandwich and Peri-LN at lr 3e-3 |" \
         in doc
+
+
+def test_the_backward_decay_section_matches_its_json():
+    """docs/RESULTS.md's Theorem 3.6 / 3.8(ii) figures, from docs/figures/backward_decay."""
+    runs = json.loads((REPO / "docs" / "figures" / "backward_decay" / "summary.json")
+                      .read_text())["runs"]
+    by = {(r["norm"], r["lr"]): r for r in runs}
+    doc = (REPO / "docs" / "RESULTS.md").read_text()
+    post1, post3, pre1, pre3 = (by[k] for k in (("post", 1e-3), ("post", 3e-3), ("pre", 1e-3),
+                                                 ("pre", 3e-3)))
+    q = [r["ratio_over_c_quantiles"] for r in (post1, post3)]
+    assert f"median of {q[0]['p50']:.3f} (lr 1e-3) and {q[1]['p50']:.3f} (lr 3e-3)" in doc
+    assert f"5th percentile is {q[0]['p5']:.3f} and {q[1]['p5']:.3f}" in doc
+    pre_r = [r["ratio_quantiles"]["p50"] for r in (pre1, pre3)]
+    assert f"r_k has a median of {pre_r[0]:.3f} and {pre_r[1]:.3f}" in doc
+    for r, text in ((post1, "{:.3f} ± {:.3f} (lr 1e-3)"), (post3, "{:.3f} ± {:.3f} (lr 3e-3)")):
+        assert text.format(r["rate"][-1], r["rate_stderr"][-1]) in doc
+    assert f"Pre-Norm: {pre1['rate'][-1]:.3f} and {pre3['rate'][-1]:.3f}" in doc
+    ends = [r["dldx_last"][0] / r["dldx_last"][-1] for r in (post1, post3, pre1, pre3)]
+    assert f"is {ends[0]:.1e} and {ends[1]:.1e}".replace("e-0", "e-") in doc
+    assert f"is {ends[2]:.1f} and {ends[3]:.1f}" in doc
+    similar = [r["similarity"] for r in (post1, post3)]
+    assert [s["similar_layers"] for s in similar] == [list(range(23, 48)), list(range(16, 48))]
+    assert (f"average {similar[0]['attn_similar']:.1e} and {similar[1]['attn_similar']:.1e}"
+            .replace("e-0", "e-")) in doc
+    assert (f"average {similar[0]['attn_other']:.1e} and {similar[1]['attn_other']:.1e}"
+            .replace("e-0", "e-")) in doc
+    assert (f"carry {similar[0]['attn_similar_reference']:.1e} / "
+            f"{similar[0]['attn_other_reference']:.1e} (lr 1e-3) and "
+            f"{similar[1]['attn_similar_reference']:.1e} / "
+            f"{similar[1]['attn_other_reference']:.1e} (lr 3e-3)").replace("e-0", "e-") in doc
