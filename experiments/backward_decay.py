@@ -54,6 +54,11 @@ class NoRunsError(UserError):
     """No finished run was given."""
 
 
+def quantiles(values: np.ndarray) -> dict[str, float]:
+    """The 5th, 50th and 95th percentiles."""
+    return {f"p{q}": float(np.percentile(values, q)) for q in (5, 50, 95)}
+
+
 def run_record(workdir: str) -> dict:
     """One run's per-step decay fits and ratios, its verdict, and its last step's gradients."""
     records = read_metrics(workdir)
@@ -74,6 +79,9 @@ def run_record(workdir: str) -> dict:
         "ratios_last": ratios[:, -1].tolist(), "c_last": series.contraction[:, -1].tolist(),
         "dldx_first": series.dldx[:, 0].tolist(), "dldx_last": series.dldx[:, -1].tolist(),
         "ratios_all": ratios.ravel().tolist(), "c_all": series.contraction.ravel().tolist(),
+        # over every sublayer and diagnostic step: r_k, and r_k / c_k (Post-Norm: ||I + J_F||)
+        "ratio_quantiles": quantiles(ratios), "ratio_over_c_quantiles": quantiles(
+            ratios / series.contraction),
         "last_step": last, "layer_grads_last": {
             k: v.tolist() for k, v in backward.layer_grads_at(records, last).items()},
     }
@@ -112,16 +120,22 @@ def by_setting(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _quantile_cell(found: dict[str, float]) -> str:
+    return f"{found['p50']:.3f} [{found['p5']:.3f}, {found['p95']:.3f}]"
+
+
 def markdown(rows: list[dict], settings: list[dict]) -> str:
     lines = ["## Per run, at the last diagnostic step", ""]
     lines += markdown_table(
         ["norm", "layers", "lr", "seed", "collapsed", "decay rate per sublayer (± s.e.)",
-         "geo. mean r_k", "geo. mean c_k", "‖dL/dX_0‖ / ‖dL/dX_2L‖", "layers tsim ≥ 0.99",
+         "geo. mean r_k", "geo. mean c_k", "r_k: median [5%, 95%], all steps",
+         "r_k / c_k: median [5%, 95%]", "‖dL/dX_0‖ / ‖dL/dX_2L‖", "layers tsim ≥ 0.99",
          "attn grad: those layers / others", "the same layers in the other placement",
          "FFN grad: those / others", "the same, other placement"],
         [[r["norm"], str(r["n_layers"]), cell(r["lr"]), str(r["seed"]), cell(r["collapsed"]),
           f"{r['rate'][-1]:.4f} ± {r['rate_stderr'][-1]:.4f}",
           f"{r['ratio_geomean'][-1]:.4f}", f"{r['c_geomean'][-1]:.4f}",
+          _quantile_cell(r["ratio_quantiles"]), _quantile_cell(r["ratio_over_c_quantiles"]),
           f"{r['dldx_last'][0] / r['dldx_last'][-1]:.3g}",
           str(len(r["similarity"]["similar_layers"])),
           f"{cell(r['similarity']['attn_similar'], '.3g')} / "
@@ -189,8 +203,9 @@ def main(argv: list[str]) -> None:
         raise app.UsageError("--out_dir is required")
     found = sorted(os.path.dirname(p) for root in FLAGS.runs_under
                    for p in glob.glob(os.path.join(root, "**", "metrics.jsonl"), recursive=True))
-    rows = [run_record(workdir) for workdir in [*FLAGS.runs, *found]]
-    rows = [r for r in rows if r["finished"] and r["method"] in FLAGS.methods]
+    chosen = [workdir for workdir in [*FLAGS.runs, *found]
+              if method_label(recorded_config(workdir)) in FLAGS.methods]
+    rows = [r for r in map(run_record, chosen) if r["finished"]]
     if not rows:
         raise NoRunsError(f"no finished run of --methods={','.join(FLAGS.methods)} among --runs "
                           "and --runs_under: give run directories whose metrics.jsonl reaches "
