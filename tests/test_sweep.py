@@ -529,6 +529,31 @@ def test_the_committed_method_sweeps_pass_the_check_before_any_run(sweep_file, r
     assert len(sweep_cli.planned_configs(base, specs, {})) == runs
 
 
+def test_the_leaderboard_grid_holds_the_84_runs_and_gives_each_cell_its_seeds():
+    """The grid variant's configs include every config of the 84-run plan (so runs finished
+    under either count for both), and each cell has the seeds its docstring states."""
+    from configs.sweeps import leaderboard
+    from postnorm.config.identity import config_digest
+
+    base, grid = sweep.plan_file("configs/sweeps/leaderboard.py:grid")
+    grid_digests = {config_digest(c) for c in sweep_cli.planned_configs(base, grid, {})}
+    core_digests = {config_digest(c) for c in sweep_cli.planned_configs(
+        *sweep.plan_file("configs/sweeps/leaderboard.py"), {})}
+    assert len(grid) == len(grid_digests) == 200 and core_digests <= grid_digests
+    seeds = {}
+    for spec in grid:
+        o = dict(spec.overrides)
+        key = (leaderboard.method_of(o), o["model.n_layers"], o["opt.lr"], o["opt.warmup_steps"])
+        seeds.setdefault(key, set()).add(o["seed"])
+    assert seeds[("post", 12, 1e-3, 20)] == {0} and seeds[("pre", 96, 1e-3, 20)] == {0}
+    assert seeds[("sandwich", 24, 3e-3, 100)] == {0, 1, 2}
+    assert all(len(s) == 3 for (method, layers, _, _), s in seeds.items() if layers == 48)
+    assert {m for m, layers, _, _ in seeds if layers == 96} == set(leaderboard.DEPTH_METHODS)
+    assert {m for m, layers, _, _ in seeds if layers in (12, 24)} == {"post", "pre",
+                                                                      *leaderboard.BEST}
+    assert not any(layers == 12 and warmup == 100 for _, layers, _, warmup in seeds)
+
+
 def test_the_paper_sweep_is_lr_by_warmup_by_norm_and_asks_for_c4_first(tmp_path):
     """The accelerator sweep's grid, refused in one message naming the data where C4 is not
     prepared."""

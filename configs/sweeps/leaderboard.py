@@ -9,6 +9,27 @@ learning rates where Post-Norm collapses (1e-3 and 3e-3), three seeds each (docs
 The plan runs seed 0 of every method first, then seed 1, then seed 2, so a partial sweep already
 compares every method. Variant ``blocked``: every method once (lr 3e-3, seed 0) with the blocked
 attention kernel, the check that each trains without a non-finite step on both kernels.
+
+Variant ``grid``: the leaderboard's full grid, depth {12, 24, 48} x lr {1e-3, 3e-3} x warmup
+{20, 100} steps, plus 96 layers, sized to about 10 hours of the 2-core host beyond the 84 runs
+above (which it contains; a run is found by its config, so runs finished under either plan
+count for both). Measured one-worker times at 300 steps: about 14 min at 48 layers (650-910 s),
+so about 7 at 24, 3.5 at 12 and 28 at 96. What it runs, and what it cuts:
+
+* every method at 48 layers, warmup 20, both lrs, 3 seeds (the 84 runs; about 10 h on its own);
+* depth 12 and 24 at warmup 20 for post, pre and ``BEST`` only: 3 seeds where Post-Norm
+  collapses, (24, 3e-3), and next to one, (24, 1e-3) and (12, 3e-3); 1 seed at (12, 1e-3)
+  (the stability map, docs/RESULTS.md);
+* warmup 100 for post, pre and ``BEST`` only, at 24 and 48 layers, both lrs, 3 seeds (each cell
+  is next to a warmup-20 cell where Post-Norm collapses or next to one); not at 12 layers,
+  where no placement collapses at warmup 20;
+* 96 layers at lr 1e-3, warmup 20, 1 seed: post, pre and the methods that claim depth
+  (``DEPTH_METHODS``).
+
+That is 50 + 60 + 6 runs, about 1,080 worker-minutes, 9 h with ``--workers 2``. A host with more
+cores runs the whole grid, or shards it with ``--shard i/n``. ``BEST`` are the three methods
+that did not collapse at either learning rate in seed 0 of the 84-run plan, before the paper's
+improvements had finished (docs/METHODS.md); revise it when the 84 runs are in.
 """
 
 BASE_CONFIG = "configs/default.py"
@@ -36,6 +57,11 @@ METHOD_FIELDS = {"model.norm": "post", "model.b2t_rescaled_init": False, "model.
                  "model.adaptive_initial_mix": 1.0, "train.placement_controller": True}
 LRS = (1e-3, 3e-3)
 SEEDS = (0, 1, 2)
+WARMUPS = (20, 100)  # short (the default config's) and long, in steps of the 300
+BEST = ("mixln", "periln", "sandwich")
+DEPTH_METHODS = ("post", "pre", "deepnorm", "mixln", "b2t", "adaptive")
+# (layers, lr) cells of warmup 20 with 3 seeds: where Post-Norm collapses or next to one
+THREE_SEED_CELLS = {(48, 1e-3), (48, 3e-3), (24, 1e-3), (24, 3e-3), (12, 3e-3)}
 
 
 def method_of(overrides: dict[str, object]) -> str:
@@ -64,10 +90,29 @@ def _run(method: str, lr: float, seed: int, **extra: object) -> dict[str, object
     return {**METHOD_FIELDS, **METHODS[method], "opt.lr": lr, "seed": seed, **extra}
 
 
+def _grid() -> list[dict[str, object]]:
+    """The full grid of the module docstring, seed 0 of every cell first."""
+    def cell(method: str, layers: int, lr: float, warmup: int, seed: int) -> dict[str, object]:
+        return _run(method, lr, seed, **{"model.n_layers": layers, "opt.warmup_steps": warmup})
+
+    cells = [(method, 48, lr, 20, 3) for method in METHODS for lr in LRS]
+    few = ("post", "pre", *BEST)
+    cells += [(method, layers, lr, 20, 3 if (layers, lr) in THREE_SEED_CELLS else 1)
+              for method in few for layers in (12, 24) for lr in LRS]
+    cells += [(method, layers, lr, 100, 3) for method in few for layers in (24, 48)
+              for lr in LRS]
+    cells += [(method, 96, 1e-3, 20, 1) for method in DEPTH_METHODS]
+    return [cell(method, layers, lr, warmup, seed) for seed in SEEDS
+            for method, layers, lr, warmup, seeds in cells if seed < seeds]
+
+
 def get_sweep(arg: str | None = None) -> list[dict[str, object]]:
-    """One dict of config overrides per run; ``arg`` ``"blocked"`` gives the kernel check."""
+    """One dict of config overrides per run; ``arg`` ``"blocked"`` gives the kernel check,
+    ``"grid"`` the full grid."""
     if arg in (None, ""):
         return [_run(method, lr, seed) for seed in SEEDS for method in METHODS for lr in LRS]
     if arg == "blocked":
         return [_run(method, 3e-3, 0, **{"model.attention": "blocked"}) for method in METHODS]
-    raise ValueError(f"unknown sweep variant {arg!r}; known: blocked")
+    if arg == "grid":
+        return _grid()
+    raise ValueError(f"unknown sweep variant {arg!r}; known: blocked, grid")
