@@ -325,7 +325,7 @@ def test_the_collapse_tables_average_and_label_hand_computed_values():
 SWEEP_CHECK = r"""
 import numpy as np
 import matplotlib.pyplot as plt
-from experiments import sweep as sweep_cli
+from postnorm.sweep import summary as sweep_summary
 from postnorm.sweep.plan import RunSpec
 
 spec = RunSpec("n_layers=2", (("model.n_layers", 2),))
@@ -333,7 +333,7 @@ result = {"status": "done", "config_digest": "D", "final_train_loss": 6.0, "lfre
           "train_loss_over_lfreq": 1.2, "train_loss_over_floor": 1.1,
           "collapse": {"collapsed": False, "collapse_step": None}, "skipped_steps": 0,
           "rollbacks": 0, "wall_s": 3.0}
-row = sweep_cli.table_row(spec, {"model": {"n_layers": 2}}, result, ["model.n_layers"], {"D"})
+row = sweep_summary.table_row(spec, {"model": {"n_layers": 2}}, result, ["model.n_layers"], {"D"})
 assert (row["loss_over_lfreq"], row["loss_over_floor"]) == (1.2, 1.1), row
 
 def cell(depth, lr, status, ratio, norm="post"):
@@ -345,8 +345,8 @@ rows = [cell(2, 1e-3, "done", 1.1), cell(2, 3e-3, "done", 1.4),
         cell(2, 1e-3, "done", 0.8, "pre"), cell(2, 3e-3, "done", 0.9, "pre"),
         cell(4, 1e-3, "done", 0.7, "pre"), cell(4, 3e-3, "done", 0.6, "pre")]
 kept = {}
-sweep_cli.save_figure = lambda fig, path, **kw: kept.setdefault("fig", fig)
-sweep_cli.stability_map(rows, "unused.png")
+sweep_summary.save_figure = lambda fig, path, **kw: kept.setdefault("fig", fig)
+sweep_summary.stability_map(rows, "unused.png")
 ax, pre_ax = kept["fig"].axes[:2]
 grid = np.ma.filled(ax.images[0].get_array().astype(float), np.nan)
 # rows: depth 2, 4 (origin lower); columns: lr 1e-3, 3e-3; a stale result is not coloured

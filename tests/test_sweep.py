@@ -20,6 +20,8 @@ from postnorm.files import OutputDirError, dumps
 from postnorm.runtime.preemption import Preempted
 from postnorm.sweep import plan as sweep
 from postnorm.sweep import record as run_record
+from postnorm.sweep import runner as sweep_runner
+from postnorm.sweep import summary as sweep_summary
 from postnorm.train.loop import train_and_evaluate
 from postnorm.train.programs import resolve_attention
 from postnorm.workdir import config_record as run_config
@@ -250,14 +252,14 @@ def test_summary_table_and_stability_map(tmp_path):
         run_record.run_once(config, os.path.join(out_dir, spec.run_id), train_fn=trainer)
     # Rows report each run's fields from its config.json: the finished runs trained 4 steps,
     # and the override (given by its alias) holds for the runs not started.
-    rows = sweep_cli.write_summary(base, specs, out_dir, {"steps": "4"})
+    rows = sweep_summary.write_summary(base, specs, out_dir, {"steps": "4"})
     assert [r["status"] for r in rows[:4]] == ["done", "done", "nonfinite", "missing"]
     for spec, row in zip(specs, rows, strict=True):
         assert {k: row[k] for k, _ in spec.overrides} == {**dict(spec.overrides),
                                                            "train.steps": 4}
     # Without the override, the finished runs still report the 4 steps they ran, as stale:
     # the sweep now plans 300 (a --report_only after the sweep changed).
-    rows = sweep_cli.write_summary(base, specs, out_dir, {})
+    rows = sweep_summary.write_summary(base, specs, out_dir, {})
     assert [r["train.steps"] for r in rows[:4]] == [4, 4, 4, 300]
     assert [r["status"] for r in rows[:4]] == ["stale", "stale", "stale", "missing"]
     assert rows[0]["collapsed"] is None  # judged for done runs of the planned config only
@@ -280,13 +282,13 @@ def test_summary_reads_old_and_damaged_config_files_and_draws_a_map_only_for_its
     (old / "config.json").write_text(json.dumps(data))
     damaged.mkdir()
     (damaged / "config.json").write_text('{"model": {"n_la')  # a write cut short
-    rows = sweep_cli.write_summary(base, specs, str(tmp_path), {"runtime.allocator": "system"})
+    rows = sweep_summary.write_summary(base, specs, str(tmp_path), {"runtime.allocator": "system"})
     assert rows[0]["runtime.allocator"] is None and rows[1]["runtime.allocator"] == "system"
     assert rows[1]["model.n_layers"] == specs[1].override("model.n_layers")
     assert (tmp_path / "stability_map.png").exists()
     # A sweep that also varies the seed has no depth x lr map: a cell would hold two runs.
     seeds = sweep.plan([{**dict(s.overrides), "seed": seed} for s in specs[:4] for seed in (0, 1)])
-    rows = sweep_cli.write_summary(base, seeds, str(tmp_path), {})
+    rows = sweep_summary.write_summary(base, seeds, str(tmp_path), {})
     assert len(rows) == 8 and not (tmp_path / "stability_map.png").exists()
 
 
@@ -390,10 +392,10 @@ def test_a_run_that_skipped_steps_is_reported_with_its_skips_and_nan_loss(tmp_pa
     assert np.isnan(skipped["final_train_loss"])  # the mean of the last three holds a NaN
     raw = (tmp_path / specs[1].run_id / "result.json").read_text()
     json.loads(raw, parse_constant=lambda c: pytest.fail(f"bare {c} in result.json"))
-    rows = sweep_cli.write_summary(base, specs, str(tmp_path), {"steps": "4"})
+    rows = sweep_summary.write_summary(base, specs, str(tmp_path), {"steps": "4"})
     assert [(r["status"], r["skipped_steps"]) for r in rows[:3]] == [
         ("done", 0), ("done", 2), ("done", 0)]
-    assert sweep_cli.colour_range(rows) == pytest.approx(
+    assert sweep_summary.colour_range(rows) == pytest.approx(
         sorted([rows[0]["loss_over_lfreq"], rows[2]["loss_over_lfreq"]]))
     json.loads((tmp_path / "summary.json").read_text(),
                parse_constant=lambda c: pytest.fail(f"bare {c} in summary.json"))
@@ -405,8 +407,8 @@ def test_the_colour_range_ignores_stopped_runs_whatever_their_order():
             {"status": "done", "loss_over_lfreq": 1.2},
             {"status": "done", "loss_over_lfreq": 1.5},
             {"status": "stale", "loss_over_lfreq": 9.0}, {"status": "missing"}]
-    assert sweep_cli.colour_range(rows) == (1.2, 1.5)
-    assert sweep_cli.colour_range(rows[:1]) == (0.0, 1.0)
+    assert sweep_summary.colour_range(rows) == (1.2, 1.5)
+    assert sweep_summary.colour_range(rows[:1]) == (0.0, 1.0)
 
 
 def test_wall_time_sums_every_invocation_including_a_preempted_one(tmp_path):
@@ -455,17 +457,17 @@ def test_numpy_values_and_exponents_give_plain_ids():
 
 def test_every_run_is_checked_before_any_starts_and_an_error_names_it():
     base, specs = sweep.plan_file(STABILITY + ":smoke")
-    assert len(sweep_cli.planned_configs(base, specs, {})) == 8
+    assert len(sweep_runner.planned_configs(base, specs, {})) == 8
     bad = sweep.plan([{"model.norm": norm} for norm in ("post", "admin")])
     with pytest.raises(sweep.SweepError,
                        match=r"sweep run 2/2 \(norm=admin\): model.norm='admin'"):
-        sweep_cli.planned_configs(base, bad, {})
+        sweep_runner.planned_configs(base, bad, {})
     typo = sweep.plan([{"model.nrom": "post"}])
     with pytest.raises(sweep.SweepError, match=r"sweep run 1/1 .*model.nrom"):
-        sweep_cli.planned_configs(base, typo, {})
+        sweep_runner.planned_configs(base, typo, {})
     twins = sweep.plan([{"opt.lr": lr} for lr in (1, 1.0)])
     with pytest.raises(sweep.SweepError, match="lr=1 and lr=1.0 have the same config"):
-        sweep_cli.planned_configs(base, twins, {})
+        sweep_runner.planned_configs(base, twins, {})
 
 
 def test_renamed_runs_use_the_directories_of_their_configs(tmp_path):
@@ -474,17 +476,17 @@ def test_renamed_runs_use_the_directories_of_their_configs(tmp_path):
     base = STABILITY_BASE + ":layers=2,steps=4"
     grid = [{"model.n_layers": n, "opt.lr": lr} for n in (2, 3) for lr in (1e-3, 3e-3)]
     specs = sweep.plan(grid)
-    configs = sweep_cli.planned_configs(base, specs, {})
+    configs = sweep_runner.planned_configs(base, specs, {})
     for spec, config in zip(specs, configs, strict=True):
         run_record.run_once(config, str(tmp_path / spec.run_id), train_fn=RecordingTrainer())
     fewer = sweep.plan([g for g in grid if g["opt.lr"] == 1e-3])
     assert [s.run_id for s in fewer] == ["n_layers=2", "n_layers=3"]
-    fewer_configs = sweep_cli.planned_configs(base, fewer, {})
-    workdirs = sweep_cli.run_workdirs(str(tmp_path), fewer, fewer_configs)
+    fewer_configs = sweep_runner.planned_configs(base, fewer, {})
+    workdirs = sweep_runner.run_workdirs(str(tmp_path), fewer, fewer_configs)
     assert workdirs == [str(tmp_path / f"n_layers={n}_lr=0.001") for n in (2, 3)]
     assert all(run_record.is_finished(w, c)
                for w, c in zip(workdirs, fewer_configs, strict=True))
-    rows = sweep_cli.write_summary(base, fewer, str(tmp_path), {})
+    rows = sweep_summary.write_summary(base, fewer, str(tmp_path), {})
     assert [(r["status"], r["workdir"]) for r in rows] == [
         ("done", "n_layers=2_lr=0.001"), ("done", "n_layers=3_lr=0.001")]
     # Train those under their new ids too, then plan the other lr alone: its ids are the
@@ -493,15 +495,16 @@ def test_renamed_runs_use_the_directories_of_their_configs(tmp_path):
         run_record.run_once(config, str(tmp_path / spec.run_id), train_fn=RecordingTrainer())
     other = sweep.plan([g for g in grid if g["opt.lr"] == 3e-3])
     assert [s.run_id for s in other] == ["n_layers=2", "n_layers=3"]
-    workdirs = sweep_cli.run_workdirs(str(tmp_path), other,
-                                      sweep_cli.planned_configs(base, other, {}))
+    workdirs = sweep_runner.run_workdirs(str(tmp_path), other,
+                                      sweep_runner.planned_configs(base, other, {}))
     assert workdirs == [str(tmp_path / f"n_layers={n}_lr=0.003") for n in (2, 3)]
     # A run whose own directory holds the config another run uses is refused, not shared.
     clash = sweep.plan([{"model.n_layers": 2, "opt.lr": 1e-3, "seed": 0},
                         {"model.n_layers": 2, "opt.lr": 3e-3, "seed": 1}])
     os.rename(tmp_path / "n_layers=2_lr=0.001", tmp_path / clash[1].run_id)
     with pytest.raises(sweep.SweepError, match="would both use"):
-        sweep_cli.run_workdirs(str(tmp_path), clash, sweep_cli.planned_configs(base, clash, {}))
+        sweep_runner.run_workdirs(str(tmp_path), clash,
+                                  sweep_runner.planned_configs(base, clash, {}))
 
 
 @pytest.mark.parametrize("sweep_file, message", [
@@ -526,7 +529,7 @@ def test_the_sweep_command_refuses_a_bad_sweep_file_in_one_line(tmp_path, sweep_
                                              ("configs/sweeps/training_methods.py", 30)])
 def test_the_committed_method_sweeps_pass_the_check_before_any_run(sweep_file, runs):
     base, specs = sweep.plan_file(sweep_file)
-    assert len(sweep_cli.planned_configs(base, specs, {})) == runs
+    assert len(sweep_runner.planned_configs(base, specs, {})) == runs
 
 
 def test_the_leaderboard_grid_holds_the_84_runs_and_gives_each_cell_its_seeds():
@@ -536,8 +539,8 @@ def test_the_leaderboard_grid_holds_the_84_runs_and_gives_each_cell_its_seeds():
     from postnorm.config.identity import config_digest
 
     base, grid = sweep.plan_file("configs/sweeps/leaderboard.py:grid")
-    grid_digests = {config_digest(c) for c in sweep_cli.planned_configs(base, grid, {})}
-    core_digests = {config_digest(c) for c in sweep_cli.planned_configs(
+    grid_digests = {config_digest(c) for c in sweep_runner.planned_configs(base, grid, {})}
+    core_digests = {config_digest(c) for c in sweep_runner.planned_configs(
         *sweep.plan_file("configs/sweeps/leaderboard.py"), {})}
     assert len(grid) == len(grid_digests) == 200 and core_digests <= grid_digests
     seeds = {}
@@ -564,7 +567,7 @@ def test_the_paper_sweep_is_lr_by_warmup_by_norm_and_asks_for_c4_first(tmp_path)
     assert {lr for lr, _, _ in grid} == {1e-4, 3e-4, 1e-3}
     assert {w for _, w, _ in grid} == {200, 2000}
     with pytest.raises(sweep.SweepError, match=r"sweep run 1/12 .*no prepared c4/en:3.0.1"):
-        sweep_cli.planned_configs(base, specs, {"data.data_dir": str(tmp_path)})
+        sweep_runner.planned_configs(base, specs, {"data.data_dir": str(tmp_path)})
 
 
 def test_a_result_recorded_by_an_earlier_schema_is_still_the_planned_run():
@@ -591,4 +594,4 @@ def test_a_result_recorded_by_an_earlier_schema_is_still_the_planned_run():
     changed = get_config("model.attention=cpu,opt.z_loss=1e-4")
     assert config_digest(before_monitor) not in run_record.planned_digests(changed)
     for version in versions:
-        assert sweep_cli.run_digests(version) & digests
+        assert sweep_runner.run_digests(version) & digests

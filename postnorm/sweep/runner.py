@@ -1,0 +1,110 @@
+"""Running a sweep's plan: every run's config validated before the first starts, the
+directory each run trains into (found by its config, so renamed runs are not trained again), and
+the runs trained in order or in pinned worker processes."""
+
+import os
+
+import jax
+import ml_collections
+from absl import logging
+
+from postnorm.config import ConfigError, config_data, config_digest
+from postnorm.config.args import ConfigArgError
+from postnorm.data import DataError, load_data
+from postnorm.sweep.plan import RunSpec, SweepError, build_config
+from postnorm.sweep.record import is_finished, run_logged
+from postnorm.sweep.workers import run_pinned
+from postnorm.train.validate import check_config
+from postnorm.workdir.config_record import (
+    WorkdirConfigError,
+    config_with_later_defaults,
+    read_run_config,
+)
+
+
+def planned_configs(base_config: str, specs: list[RunSpec],
+                    extra: dict[str, str]) -> list[ml_collections.ConfigDict]:
+    """Every run's config, each validated (``check_config``) before any run starts; an error
+    names the run. Two runs of the same config are refused (e.g. ``lr=1`` and ``lr=1.0``)."""
+    configs, seen = [], {}
+    for number, spec in enumerate(specs, 1):
+        try:
+            config = build_config(base_config, spec, extra)
+            check_config(config, device_count=jax.device_count(),
+                         process_count=jax.process_count())
+        except (ConfigArgError, ConfigError, DataError) as err:
+            raise SweepError(f"sweep run {number}/{len(specs)} ({spec.run_id}): {err}") from err
+        if (twin := seen.setdefault(config_digest(config), spec.run_id)) != spec.run_id:
+            raise SweepError(f"sweep runs {twin} and {spec.run_id} have the same config: "
+                             "drop one of them from the sweep")
+        configs.append(config)
+    return configs
+
+
+def run_digests(recorded: dict) -> set[str]:
+    """The digests of the planned configs whose run a recorded ``config.json`` holds: its own
+    with the fields it predates at their defaults (``recorded_config``), and, since
+    ``model.attention=auto`` is recorded as the kernel it chose, that of the same config with
+    ``auto``."""
+    data = config_data(config_with_later_defaults(recorded))
+    as_auto = {**data, "model": {**data["model"], "attention": "auto"}}
+    return {config_digest(recorded), config_digest(data), config_digest(as_auto)}
+
+
+def _recorded_digests(out_dir: str) -> dict[str, set[str]]:
+    """{directory of ``out_dir``: ``run_digests`` of the config it records (empty: none, or
+    one that cannot be read)}."""
+    digests = {}
+    for name in sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []:
+        path = os.path.join(out_dir, name)
+        if os.path.isdir(path):
+            try:
+                recorded = read_run_config(path)
+            except WorkdirConfigError:
+                recorded = None
+            digests[path] = set() if recorded is None else run_digests(recorded)
+    return digests
+
+
+def run_workdirs(out_dir: str, specs: list[RunSpec],
+                 configs: list[ml_collections.ConfigDict]) -> list[str]:
+    """Each run's workdir: the directory of ``out_dir`` that records the run's config, its own
+    ``out_dir/<run id>`` first; ``out_dir/<run id>`` when none does. Run ids name only what
+    the sweep varies, so dropping a value or varying one more field renames runs (and may give
+    a run the id an earlier run of another config had): renamed runs use the directories that
+    hold their configs. Raises ``SweepError`` when two runs would share a directory."""
+    digests = _recorded_digests(out_dir)
+    holding: dict[str, str] = {}
+    for path, held in digests.items():
+        for digest in sorted(held):
+            holding.setdefault(digest, path)
+    workdirs, users = [], {}
+    for spec, config in zip(specs, configs, strict=True):
+        own, digest = os.path.join(out_dir, spec.run_id), config_digest(config)
+        path = own if digest in digests.get(own, ()) else holding.get(digest, own)
+        if path != own:
+            logging.info("run %s: its config ran as %s (the sweep's run ids changed); using "
+                         "that directory", spec.run_id, path)
+        if (other := users.setdefault(path, spec.run_id)) != spec.run_id:
+            raise SweepError(f"sweep runs {other} and {spec.run_id} would both use {path}, "
+                             f"which holds a run of {other}'s config: move it aside")
+        workdirs.append(path)
+    return workdirs
+
+
+def run_sweep(specs: list[RunSpec], configs: list[ml_collections.ConfigDict],
+              workdirs: list[str], workers: int = 1) -> None:
+    """Train (or skip) every run of ``specs``: in order, or in ``workers`` pinned processes,
+    which take the runs with the most layer-steps first so that no long run starts last."""
+    jobs = []
+    for number, (spec, config, workdir) in enumerate(zip(specs, configs, workdirs, strict=True),
+                                                     1):
+        label = f"run {number}/{len(specs)} {spec.run_id}"
+        if is_finished(workdir, config):
+            logging.info("%s: already finished", label)
+        else:
+            jobs.append((config, workdir, label))
+    if jobs and workers > 1:
+        load_data(jobs[0][0].data, seed=jobs[0][0].seed)  # build the shared caches once
+        jobs.sort(key=lambda job: job[0].model.n_layers * job[0].train.steps, reverse=True)
+    run_pinned(run_logged, jobs, workers)
