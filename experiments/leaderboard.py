@@ -1,12 +1,17 @@
-"""The collapse leaderboard's table and figure, from the runs of ``configs/sweeps/leaderboard.py``.
+"""The collapse leaderboard: train the plan of ``configs/sweeps/leaderboard.py`` and tabulate it.
 
-    python -m experiments.sweep --sweep configs/sweeps/leaderboard.py --out_dir runs/leaderboard
-    python -m experiments.leaderboard --out_dir runs/leaderboard [--fresh_batches 512]
+    python -m experiments.leaderboard --out_dir runs/leaderboard [--sweep FILE[:variant]]
+        [--methods post,pre,...] [--shard i/n] [--workers N] [--report_only] [--fresh_batches 512]
     python -m experiments.leaderboard --runs DIR[,DIR...]   # the same measures of any runs, as JSON
 
-Reads the sweep's ``summary.json`` (``experiments.sweep`` writes it; ``--report_only`` rewrites it
-without training) and measures every finished run once more on its final checkpoint, cached in
-``<run>/leaderboard.json``:
+Built on the sweep runner (``postnorm.sweep.runner``): every run's config is validated before the
+first trains, finished runs are skipped and partial ones resume, so killing the command and
+rerunning it finishes the plan without training a run twice; ``--shard i/n`` splits the plan over
+hosts that share --out_dir, and ``--workers N`` trains in N pinned processes. ``--methods`` keeps
+the plan's runs of those methods; ``--report_only`` trains nothing. It logs the plan's progress
+first (runs finished, left, and an ETA from the measured times of the finished runs of the same
+depth), then writes the sweep's ``summary.json`` and measures every finished run once more on its
+final checkpoint, cached in ``<run>/leaderboard.json``:
 
 * ``fresh_loss_over_lfreq``: the loss on the next ``--fresh_batches`` training batches the run
   never trained on, over L_freq (``postnorm.analysis.thm38.next_batches_loss``);
@@ -18,37 +23,62 @@ without training) and measures every finished run once more on its final checkpo
 * ``update_norm_early``: the early layers' parameter update norm at the last diagnostic step
   (AdamW normalises gradients, so this is what the bottom of the stack still moves).
 
-Per method and learning rate the table gives the seeds finished, how many collapsed (the
-project's rule, ``postnorm.analysis.collapse``), these measures over seeds and the gap of the
-fresh-batch loss to Pre-Norm's. Writes ``leaderboard.json``, ``leaderboard.md`` and
-``leaderboard.png`` to --out_dir. With ``--runs`` it prints, for each run directory given, these
-measures and the collapse verdict as JSON lines, with no sweep.
+* the early-warning monitor replayed over the run's records (``postnorm.analysis.collapse``):
+  its first warn, the lead to the collapse step on a collapsed run, a false alarm on another.
+
+Per cell (method, depth, lr, warmup) the table gives the seeds finished and how they ended
+(``done``; ``nonfinite``: stopped by a non-finite step; ``failed``; each shown in its cell, never
+left out), how many collapsed (the project's rule), these measures over seeds, the gap of the
+fresh-batch loss to Pre-Norm's in the same cell, and to Post-Norm's in cells where no Post-Norm
+seed collapsed. Writes ``leaderboard.json``, ``leaderboard.md``, ``leaderboard.png`` (methods x
+cells, coloured by loss / L_freq, collapses marked, as the stability map) and ``leaderboard.html``
+(the table, each cell linking its runs' reports, which it writes where missing) to --out_dir.
+With ``--runs`` it prints, for each run directory given, these measures and the collapse verdict
+as JSON lines, with no sweep.
 """
 
+
+import html
 import json
 import os
+import time
 
 import matplotlib
+import ml_collections
 import numpy as np
 from absl import app, flags, logging
 
 from configs.sweeps.leaderboard import METHODS, method_of
-from postnorm.analysis.collapse import DEFAULT_RULE
+from postnorm.analysis.collapse import DEFAULT_RULE, detect_collapse, replay_monitor
 from postnorm.analysis.figures import save_figure
+from postnorm.analysis.report import write_report
 from postnorm.analysis.tables import cell, markdown_table
 from postnorm.analysis.thm38 import next_batches_loss
+from postnorm.config.list_flags import choice_list
 from postnorm.errors import UserError, exit_on_error
-from postnorm.files import write_bytes_atomic, write_json_atomic
+from postnorm.files import make_output_dir, write_bytes_atomic, write_json_atomic
+from postnorm.runtime.allocator import use_allocator
+from postnorm.sweep.plan import RunSpec, parse_shard, plan_file, shard
 from postnorm.sweep.record import run_metrics_summary
+from postnorm.sweep.runner import planned_configs, run_sweep, run_workdirs
+from postnorm.sweep.summary import write_summary
+from postnorm.sweep.workers import check_workers
 from postnorm.train.experiment import restore_run
 from postnorm.workdir.config_record import recorded_config
-from postnorm.workdir.layout import latest_checkpoint_step
+from postnorm.workdir.layout import Workdir, latest_checkpoint_step
 from postnorm.workdir.metrics import layer_series, read_metrics
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-flags.DEFINE_string("out_dir", None, "The leaderboard sweep's --out_dir.")
+flags.DEFINE_string("out_dir", None, "Directory for the runs, the table and the figure.")
+flags.DEFINE_string("sweep", "configs/sweeps/leaderboard.py", "The plan: a sweep file whose "
+                    "runs set the leaderboard's method fields, e.g. "
+                    "configs/sweeps/leaderboard.py:grid.")
+flags.DEFINE_list("methods", list(METHODS), "Keep the plan's runs of these methods.")
+flags.DEFINE_string("shard", "0/1", "i/n: train every n-th run of the plan, starting at i.")
+flags.DEFINE_integer("workers", 1, "Train this shard's runs in this many CPU-pinned processes.")
+flags.DEFINE_bool("report_only", False, "Train nothing: tabulate the runs finished so far.")
 flags.DEFINE_list("runs", None, "Run directories to measure and print as JSON lines, instead of "
                   "a sweep's --out_dir.")
 flags.DEFINE_integer("fresh_batches", 512, "Training batches after the last step to evaluate "
@@ -56,10 +86,11 @@ flags.DEFINE_integer("fresh_batches", 512, "Training batches after the last step
 FLAGS = flags.FLAGS
 
 CACHE = "leaderboard.json"
+CELL = ("method", "layers", "lr", "warmup")
 
 
 class LeaderboardError(UserError, ValueError):
-    """The sweep's summary is missing or unreadable."""
+    """A run cannot be measured or the plan holds no run."""
 
 
 def run_measures(workdir: str, fresh_batches: int) -> dict:
@@ -70,18 +101,22 @@ def run_measures(workdir: str, fresh_batches: int) -> dict:
     if os.path.exists(path):
         with open(path) as f:
             cached = json.load(f)
-        if cached.get("checkpoint_step") == step and cached.get("fresh_batches") == fresh_batches:
+        if (cached.get("checkpoint_step") == step and cached.get("fresh_batches") == fresh_batches
+                and "first_warn" in cached):
             return cached
     config = recorded_config(workdir)
     exp, state, step, batches = restore_run(config, workdir, "measure", data_position=True)
     fresh = next_batches_loss(exp, state, batches, fresh_batches)
-    series = layer_series(read_metrics(workdir))
+    records = read_metrics(workdir)
+    series = layer_series(records)
     early = DEFAULT_RULE.early_layers
     c_min = min(float(np.nanmin(series[f"c_min_{kind}"][1])) for kind in ("attn", "ffn"))
     _, grad_LxS = series["dldx_norm_attn"]
     ratio = grad_LxS[:early, 0] / grad_LxS[:early, -1]
     updates = [series[f"update_norm_{group}"][1][:early, -1] for group in ("attn", "ffn")
                if f"update_norm_{group}" in series]
+    collapse = detect_collapse(records)
+    first_warn = replay_monitor(records)[1].first_warn
     measures = {
         "checkpoint_step": int(step), "fresh_batches": fresh_batches,
         "fresh_loss": fresh["loss"], "fresh_floor": fresh["floor"], "lfreq": fresh["lfreq"],
@@ -89,6 +124,10 @@ def run_measures(workdir: str, fresh_batches: int) -> dict:
         "min_c": c_min,
         "dldx_first_over_last_early": float(np.exp(np.mean(np.log(ratio)))),
         "update_norm_early": float(np.mean(np.sqrt(sum(u**2 for u in updates)))),
+        "first_warn": first_warn,
+        "warn_lead": (collapse.collapse_step - first_warn
+                      if collapse.collapsed and first_warn is not None else None),
+        "false_alarm": not collapse.collapsed and first_warn is not None,
     }
     write_json_atomic(path, measures)
     return measures
@@ -109,15 +148,39 @@ def single_run(workdir: str, fresh_batches: int) -> dict:
             **run_measures(workdir, fresh_batches)}
 
 
-def read_sweep_rows(out_dir: str) -> list[dict]:
-    path = os.path.join(out_dir, "summary.json")
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as err:
-        raise LeaderboardError(f"{path} cannot be read ({err}): run python -m experiments.sweep "
-                               "--sweep configs/sweeps/leaderboard.py --out_dir "
-                               f"{out_dir} (with --report_only to only tabulate)") from err
+def chosen_plan(sweep_arg: str, methods: list[str]) -> tuple[str, list[RunSpec]]:
+    """The sweep file's plan, only its runs of ``methods``."""
+    base, specs = plan_file(sweep_arg)
+    kept = [s for s in specs if method_of(dict(s.overrides)) in methods]
+    if not kept:
+        raise LeaderboardError(f"{sweep_arg} plans no run of --methods={','.join(methods)}")
+    return base, kept
+
+
+def progress(configs: list[ml_collections.ConfigDict], rows: list[dict], workers: int) -> str:
+    """Runs finished and left, and an ETA: each run left takes the mean training time of the
+    finished runs of its depth (scaled by layers from the nearest measured depth if none)."""
+    finished = [(c.model.n_layers, r.get("wall_s")) for c, r in zip(configs, rows, strict=True)
+                if r["status"] in ("done", "nonfinite")]
+    left = [c.model.n_layers for c, r in zip(configs, rows, strict=True)
+            if r["status"] not in ("done", "nonfinite")]
+    times: dict[int, list[float]] = {}
+    for layers, wall in finished:
+        if wall:
+            times.setdefault(layers, []).append(wall)
+    per_layer = [np.mean(t) / layers for layers, t in times.items()]
+    eta = None
+    if left and per_layer:
+        eta = sum(np.mean(times[layers]) if layers in times else np.mean(per_layer) * layers
+                  for layers in left) / workers
+    text = f"{len(finished)} of {len(configs)} runs finished, {len(left)} left"
+    if eta is not None:
+        text += f"; ETA {eta / 3600:.1f} h with {workers} worker(s)"
+    return text
+
+
+def cell_key(row: dict) -> tuple:
+    return tuple(row[k] for k in CELL)
 
 
 def _mean_sd(values: list[float]) -> str:
@@ -128,74 +191,141 @@ def _mean_sd(values: list[float]) -> str:
 
 
 def aggregate(rows: list[dict]) -> list[dict]:
-    """One entry per (method, lr): the seeds finished and their measures."""
-    groups: dict[tuple[str, float], list[dict]] = {}
+    """One entry per cell: the runs planned and how each ended, and their measures."""
+    groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        groups.setdefault((row["method"], row["opt.lr"]), []).append(row)
-    pre = {lr: [r["fresh_loss_over_lfreq"] for r in rows_ if r.get("fresh_loss_over_lfreq")]
-           for (method, lr), rows_ in groups.items() if method == "pre"}
+        groups.setdefault(cell_key(row), []).append(row)
+
+    def fresh(runs: list[dict]) -> list[float]:
+        return [r["fresh_loss_over_lfreq"] for r in runs if r.get("fresh_loss_over_lfreq")]
+
     out = []
-    for method in METHODS:
-        for lr in sorted({lr for m, lr in groups if m == method}):
-            done = [r for r in groups[(method, lr)] if r["status"] in ("done", "nonfinite")]
-            fresh = [r["fresh_loss_over_lfreq"] for r in done if r.get("fresh_loss_over_lfreq")]
-            out.append({
-                "method": method, "lr": lr, "seeds_planned": len(groups[(method, lr)]),
-                "seeds_done": len(done),
-                "collapsed": sum(bool(r.get("collapsed")) for r in done),
-                "nonfinite": sum(r["status"] == "nonfinite" for r in done),
-                "fresh_loss_over_lfreq": fresh,
-                "gap_to_pre": (float(np.mean(fresh) - np.mean(pre[lr]))
-                               if fresh and pre.get(lr) else None),
-                "min_c": min((r["min_c"] for r in done if "min_c" in r), default=None),
-                "dldx_first_over_last_early": [r["dldx_first_over_last_early"] for r in done
-                                               if "dldx_first_over_last_early" in r],
-                "update_norm_early": [r["update_norm_early"] for r in done
-                                      if "update_norm_early" in r],
-                "wall_s": [r["wall_s"] for r in done if r.get("wall_s")],
-            })
+    for key in sorted(groups, key=lambda k: (list(METHODS).index(k[0]), *k[1:])):
+        runs = groups[key]
+        done = [r for r in runs if r["status"] == "done"]
+        pre = groups.get(("pre", *key[1:]), [])
+        post = [r for r in groups.get(("post", *key[1:]), []) if r["status"] == "done"]
+        post_safe = bool(post) and not any(r.get("collapsed") for r in post)
+        leads = [r["warn_lead"] for r in done if r.get("warn_lead") is not None]
+        out.append({
+            **dict(zip(CELL, key, strict=True)), "planned": len(runs),
+            "status": {s: sum(r["status"] == s for r in runs)
+                       for s in sorted({r["status"] for r in runs})},
+            "done": len(done), "collapsed": sum(bool(r.get("collapsed")) for r in done),
+            "fresh_loss_over_lfreq": fresh(done),
+            "gap_to_pre": (float(np.mean(fresh(done)) - np.mean(fresh(pre)))
+                           if fresh(done) and fresh(pre) else None),
+            "gap_to_post": (float(np.mean(fresh(done)) - np.mean(fresh(post)))
+                            if post_safe and fresh(done) and fresh(post) else None),
+            "min_c": min((r["min_c"] for r in done if "min_c" in r), default=None),
+            "dldx_first_over_last_early": [r["dldx_first_over_last_early"] for r in done
+                                           if "dldx_first_over_last_early" in r],
+            "update_norm_early": [r["update_norm_early"] for r in done
+                                  if "update_norm_early" in r],
+            "warn_lead": leads,
+            "false_alarms": sum(bool(r.get("false_alarm")) for r in done),
+            "wall_s": [r["wall_s"] for r in done if r.get("wall_s")],
+            "runs": [r["workdir"] for r in runs],
+        })
     return out
 
 
+def _status_cell(entry: dict) -> str:
+    """How the cell's runs ended: ``done/planned``, then any other ending by name."""
+    others = ", ".join(f"{n} {s}" for s, n in entry["status"].items() if s != "done" and n)
+    return f"{entry['done']}/{entry['planned']}" + (f" ({others})" if others else "")
+
+
 def markdown(entries: list[dict], fresh_batches: int) -> str:
-    header = ["method", "lr", "seeds", "collapsed", f"loss / L_freq ({fresh_batches} fresh "
-              "batches)", "gap to pre", "min c", "early ‖∂L/∂X‖ first / last",
-              "early update norm", "train s"]
-    rows = [[e["method"], f"{e['lr']:g}", f"{e['seeds_done']}/{e['seeds_planned']}",
-             f"{e['collapsed']}/{e['seeds_done']}" + (f" ({e['nonfinite']} non-finite)"
-                                                       if e["nonfinite"] else ""),
-             _mean_sd(e["fresh_loss_over_lfreq"]), cell(e["gap_to_pre"], "+.3f"),
-             cell(e["min_c"], ".3f"), cell([float(v) for v in e["dldx_first_over_last_early"]],
-                                           ".3g"),
+    header = ["method", "layers", "lr", "warmup", "runs done", "collapsed",
+              f"loss / L_freq ({fresh_batches} fresh batches)", "gap to pre",
+              "gap to post (where post does not collapse)", "min c",
+              "early ‖∂L/∂X‖ first / last", "early update norm", "warn lead (steps)",
+              "false alarms", "train s"]
+    rows = [[e["method"], str(e["layers"]), f"{e['lr']:g}", str(e["warmup"]), _status_cell(e),
+             f"{e['collapsed']}/{e['done']}", _mean_sd(e["fresh_loss_over_lfreq"]),
+             cell(e["gap_to_pre"], "+.3f"), cell(e["gap_to_post"], "+.3f"),
+             cell(e["min_c"], ".3f"),
+             cell([float(v) for v in e["dldx_first_over_last_early"]], ".3g"),
              cell([float(v) for v in e["update_norm_early"]], ".3g"),
+             cell([int(v) for v in e["warn_lead"]]), str(e["false_alarms"]),
              cell(float(np.mean(e["wall_s"])) if e["wall_s"] else None, ".0f")]
             for e in entries]
     return "\n".join(markdown_table(header, rows)) + "\n"
 
 
-def plot(path: str, rows: list[dict]) -> None:
-    """Fresh-batch loss / L_freq per run, methods along x, one marker per seed; collapsed runs
-    as red crosses."""
-    lrs = sorted({r["opt.lr"] for r in rows})
-    methods = list(METHODS)
-    fig, ax = plt.subplots(figsize=(12, 4.5))
-    for k, lr in enumerate(lrs):
-        for i, method in enumerate(methods):
-            for r in rows:
-                if r["method"] != method or r["opt.lr"] != lr or "fresh_loss_over_lfreq" not in r:
-                    continue
-                x = i + (k - (len(lrs) - 1) / 2) * 0.25
-                ax.plot(x, r["fresh_loss_over_lfreq"], "x" if r.get("collapsed") else "o",
-                        color="C3" if r.get("collapsed") else f"C{k}", markersize=6)
-        ax.plot([], [], "o", color=f"C{k}", label=f"lr {lr:g}")
-    ax.plot([], [], "x", color="C3", label="collapsed")
-    ax.axhline(1.0, color="k", linewidth=0.8)
-    ax.set_xticks(range(len(methods)), methods, rotation=30, ha="right")
-    ax.set_ylabel("loss / L_freq on fresh batches")
-    ax.set_title("The collapse leaderboard: 48 layers, default CPU config, 300 steps")
-    ax.legend()
+def plot(path: str, entries: list[dict]) -> None:
+    """Methods x cells coloured by the mean fresh-batch loss / L_freq; collapsed seeds marked
+    ``C k/n`` in a red frame, runs stopped by a non-finite step ``x``, cells not run blank."""
+    methods = [m for m in METHODS if any(e["method"] == m for e in entries)]
+    cells = sorted({cell_key(e)[1:] for e in entries})
+    grid = np.full((len(methods), len(cells)), np.nan)
+    fig, ax = plt.subplots(figsize=(1.1 * len(cells) + 3, 0.42 * len(methods) + 2))
+    by_key = {cell_key(e): e for e in entries}
+    for i, method in enumerate(methods):
+        for j, c in enumerate(cells):
+            e = by_key.get((method, *c))
+            if e is None:
+                continue
+            if e["fresh_loss_over_lfreq"]:
+                grid[i, j] = np.mean(e["fresh_loss_over_lfreq"])
+            label = f"{grid[i, j]:.3f}" if np.isfinite(grid[i, j]) else ""
+            if e["collapsed"]:
+                label += f"\nC {e['collapsed']}/{e['done']}"
+                ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, ec="red", lw=2))
+            if e["status"].get("nonfinite"):
+                label += f"\nx {e['status']['nonfinite']}"
+            ax.text(j, i, label, ha="center", va="center", fontsize=7)
+    image = ax.imshow(grid, cmap="viridis_r", aspect="auto")
+    ax.set_yticks(range(len(methods)), methods)
+    ax.set_xticks(range(len(cells)), [f"{layers}L lr {lr:g}\nwarmup {w}"
+                                      for layers, lr, w in cells], fontsize=7)
+    fig.colorbar(image, ax=ax, label="loss / L_freq on fresh batches (mean over seeds)")
+    ax.set_title("The collapse leaderboard (C k/n: k of n seeds collapsed; x: non-finite stop)")
     fig.tight_layout()
     save_figure(fig, path, dpi=110)
+
+
+def html_page(entries: list[dict], table: str, out_dir: str) -> str:
+    """The table as HTML, each cell's runs linked to their reports."""
+    def links(entry: dict) -> str:
+        return " ".join(
+            f'<a href="{html.escape(os.path.join(run, "report.html"))}">{n}</a>'
+            for n, run in enumerate(entry["runs"])
+            if os.path.exists(os.path.join(out_dir, run, "report.html")))
+
+    lines = table.strip().splitlines()
+    header = [c.strip() for c in lines[0].strip("|").split("|")] + ["reports"]
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(c.strip())}</td>" for c in line.strip("|").split("|"))
+        + f"<td>{links(entry)}</td></tr>" for line, entry in zip(lines[2:], entries, strict=True))
+    return ("<!doctype html><meta charset=utf-8><title>postnorm leaderboard</title>"
+            "<img src=leaderboard.png style='max-width:100%'><table border=1><tr>"
+            + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>" + body
+            + "</table>")
+
+
+def tabulate(out_dir: str, specs: list[RunSpec], configs: list[ml_collections.ConfigDict],
+             rows: list[dict], fresh_batches: int) -> str:
+    """Measure the finished runs and write the leaderboard's files; returns the markdown."""
+    for spec, config, row in zip(specs, configs, rows, strict=True):
+        row.update(method=method_of(dict(spec.overrides)), layers=config.model.n_layers,
+                   lr=config.opt.lr, warmup=config.opt.warmup_steps)
+        workdir = os.path.join(out_dir, row["workdir"])
+        if row["status"] == "done":
+            logging.info("measuring %s", row["run_id"])
+            row.update(run_measures(workdir, fresh_batches))
+            if not os.path.exists(Workdir(workdir).report):
+                write_report(workdir)
+    entries = aggregate(rows)
+    write_json_atomic(os.path.join(out_dir, "leaderboard.json"),
+                      {"runs": rows, "cells": entries, "fresh_batches": fresh_batches})
+    table = markdown(entries, fresh_batches)
+    write_bytes_atomic(os.path.join(out_dir, "leaderboard.md"), table.encode())
+    plot(os.path.join(out_dir, "leaderboard.png"), entries)
+    write_bytes_atomic(os.path.join(out_dir, "leaderboard.html"),
+                       html_page(entries, table, out_dir).encode())
+    return table
 
 
 def main(argv: list[str]) -> None:
@@ -207,21 +337,25 @@ def main(argv: list[str]) -> None:
         for workdir in FLAGS.runs:
             print(json.dumps(single_run(workdir, FLAGS.fresh_batches)))
         return
-    rows = []
-    for row in read_sweep_rows(FLAGS.out_dir):
-        row = {**row, "method": method_of(row)}
-        if row["status"] == "done":
-            logging.info("measuring %s", row["run_id"])
-            row.update(run_measures(os.path.join(FLAGS.out_dir, row["workdir"]),
-                                    FLAGS.fresh_batches))
-        rows.append(row)
-    entries = aggregate(rows)
-    write_json_atomic(os.path.join(FLAGS.out_dir, "leaderboard.json"),
-                      {"runs": rows, "methods": entries, "fresh_batches": FLAGS.fresh_batches})
-    table = markdown(entries, FLAGS.fresh_batches)
-    write_bytes_atomic(os.path.join(FLAGS.out_dir, "leaderboard.md"), table.encode())
-    plot(os.path.join(FLAGS.out_dir, "leaderboard.png"), rows)
-    print(table)
+    start = time.perf_counter()
+    check_workers(FLAGS.workers)
+    methods = choice_list("methods", FLAGS.methods, tuple(METHODS))
+    index, count = parse_shard(FLAGS.shard)
+    base, specs = chosen_plan(FLAGS.sweep, methods)
+    configs = planned_configs(base, specs, {})
+    use_allocator(configs[0].runtime.allocator)  # may re-execute this command
+    out_dir = make_output_dir(os.path.abspath(FLAGS.out_dir), "--out_dir")
+    workdirs = run_workdirs(out_dir, specs, configs)
+    logging.info("the plan: %s", progress(configs, write_summary(base, specs, out_dir, {},
+                                                                  workdirs), FLAGS.workers))
+    if not FLAGS.report_only:
+        mine = shard(list(range(len(specs))), index, count)
+        run_sweep([specs[i] for i in mine], [configs[i] for i in mine],
+                  [workdirs[i] for i in mine], FLAGS.workers)
+    rows = write_summary(base, specs, out_dir, {}, workdirs)
+    logging.info("the plan: %s", progress(configs, rows, FLAGS.workers))
+    print(tabulate(out_dir, specs, configs, rows, FLAGS.fresh_batches))
+    logging.info("wall time of this invocation: %.0f s", time.perf_counter() - start)
 
 
 if __name__ == "__main__":
