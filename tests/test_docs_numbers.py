@@ -61,3 +61,49 @@ def test_the_backward_decay_section_matches_its_json():
             f"{similar[0]['attn_other_reference']:.1e} (lr 1e-3) and "
             f"{similar[1]['attn_similar_reference']:.1e} / "
             f"{similar[1]['attn_other_reference']:.1e} (lr 3e-3)").replace("e-0", "e-") in doc
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:+.1f} %".replace("-", "−")
+
+
+def _errors(found: dict) -> str:
+    return (f"{_pct(found['worst_rel_err'])} ({found['worst_layer']}) / "
+            f"{found['mean_abs_rel_err'] * 100:.1f} % / {found['layers_beyond_10pct']}")
+
+
+def test_theorem_32_at_the_nominal_s_and_theorem_34_match_the_stage1_outputs():
+    """docs/THEORY.md's per-setting table from summary.json, and its per-layer excerpts from
+    layers.csv (both from ``python -m experiments.init_similarity``)."""
+    import csv
+
+    stage1 = REPO / "docs" / "figures" / "stage1"
+    figures = json.loads((stage1 / "summary.json").read_text())["figures"]
+    doc = (REPO / "docs" / "THEORY.md").read_text()
+    settings = ("post/real", "post/gaussian", "pre/real", "pre/gaussian")
+    rows = {
+        "s_nominal at the first, last layer":
+            lambda f: f"{f['s_nominal_first']:.4f}, {f['s_nominal_last']:.4f}",
+        "±W Δattn vs the closed form at s_nominal: worst (layer) / mean \\|error\\| / layers "
+        "beyond 10 %": lambda f: _errors(f["attn_pm_vs_closed_s_nominal"]),
+        "±W Δattn vs the exact Δ of the measured state at s_nominal":
+            lambda f: _errors(f["attn_pm_vs_exact_s_nominal"]),
+        "exact Δ vs the closed form, both at s_nominal (the EC assumption alone)":
+            lambda f: _errors(f["attn_exact_vs_closed_s_nominal"]),
+        "±W ΔFFN vs its closed form at the measured (t, ξ)":
+            lambda f: _errors(f["ffn_pm_vs_closed"]),
+        "ΔFFN within 10 % of its closed form from layer":
+            lambda f: str(f["ffn_pm_vs_closed"]["within_10pct_from_layer"]),
+    }
+    for label, text in rows.items():
+        assert f"| {label} | " + " | ".join(text(figures[s]) for s in settings) + " |" in doc
+    with open(stage1 / "layers.csv") as f:
+        layers = [r for r in csv.DictReader(f) if r["norm"] == "post"]
+    keys = ("t_attn", "rho_ec", "corr_sd", "s_inferred", "s_nominal", "d_attn_pm",
+            "d_attn_closed_s_inferred", "d_attn_closed_s_nominal", "d_attn_exact_s_nominal",
+            "d_ffn_pm", "d_ffn_closed")
+    for source in ("real", "gaussian"):
+        for r in layers:
+            if r["input"] == source and int(r["layer"]) in (0, 1, 2, 4, 8, 16, 24, 32, 40, 47):
+                line = f"| {r['layer']} | " + " | ".join(f"{float(r[k]):.4g}" for k in keys)
+                assert line + " |" in doc, line
