@@ -70,6 +70,7 @@ def run_record(workdir: str) -> dict:
     return {
         "workdir": workdir, "method": method_label(config), "norm": config["model"]["norm"],
         "lr": config["opt"]["lr"], "seed": config["seed"], "n_layers": config["model"]["n_layers"],
+        "warmup": config["opt"]["warmup_steps"],
         "finished": max(r["step"] for r in records) >= config["train"]["steps"],
         "collapsed": detect_collapse(records).collapsed,
         "steps": series.steps.tolist(),
@@ -89,11 +90,11 @@ def run_record(workdir: str) -> dict:
 
 def with_similarity(rows: list[dict]) -> None:
     """Adds each row's Thm 3.8(ii) comparison, against the other placement's run with the same
-    depth, lr and seed where one was given."""
-    by_key = {(r["norm"], r["n_layers"], r["lr"], r["seed"]): r for r in rows}
+    depth, lr, warmup and seed where one was given."""
+    by_key = {(r["method"], r["n_layers"], r["lr"], r["warmup"], r["seed"]): r for r in rows}
     for row in rows:
-        other = {"post": "pre", "pre": "post"}.get(row["norm"])
-        reference = by_key.get((other, row["n_layers"], row["lr"], row["seed"]))
+        other = {"post": "pre", "pre": "post"}.get(row["method"])
+        reference = by_key.get((other, row["n_layers"], row["lr"], row["warmup"], row["seed"]))
         grads = {k: np.asarray(v) for k, v in row["layer_grads_last"].items()}
         ref_grads = (None if reference is None else
                      {k: np.asarray(v) for k, v in reference["layer_grads_last"].items()})
@@ -106,9 +107,9 @@ def by_setting(rows: list[dict]) -> list[dict]:
     verdicts."""
     groups = collections.defaultdict(list)
     for row in rows:
-        groups[(row["norm"], row["n_layers"], row["lr"])].append(row)
+        groups[(row["method"], row["n_layers"], row["lr"], row["warmup"])].append(row)
     out = []
-    for (norm, n_layers, lr), group in sorted(groups.items()):
+    for (norm, n_layers, lr, _), group in sorted(groups.items()):
         rates = np.array([r["rate"][-1] for r in group])
         out.append({"norm": norm, "n_layers": n_layers, "lr": lr, "runs": len(group),
                     "collapsed": sum(r["collapsed"] for r in group),

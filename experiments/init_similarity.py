@@ -67,7 +67,7 @@ from postnorm.errors import exit_on_error
 from postnorm.files import dumps, make_output_dir, write_json_atomic
 from postnorm.model import PLACEMENTS, ModelSpec
 from postnorm.model.initializers import embedding_init
-from postnorm.model.placements import init_gains
+from postnorm.model.placements import deepnorm_alpha, init_gains
 from postnorm.model.similarity_init import with_similarity_init
 from postnorm.runtime.allocator import use_allocator
 from postnorm.theory import INIT_SCHEMES
@@ -132,12 +132,23 @@ def derived(stats: dict[str, np.ndarray], amt: theory.Amounts, n: int) -> dict[s
     }
 
 
-def ec_derived(ec: dict[str, np.ndarray], amt: theory.Amounts, n: int) -> dict[str, np.ndarray]:
-    """Per layer, Thm 3.2 at the nominal s on the measured state, and its distance from EC."""
+# Arrangements whose attention sublayer adds a norm to its branch's output (X + N(F)): the sum
+# is not X + P H W, so Thm 3.2's exact step does not apply to it.
+BRANCH_OUTPUT_NORMED = ("sandwich", "periln")
+
+
+def ec_derived(ec: dict[str, np.ndarray], amt: theory.Amounts, n: int,
+               norm: str, n_layers: int) -> dict[str, np.ndarray]:
+    """Per layer, Thm 3.2 at the nominal s on the measured state, and its distance from EC.
+    The attention sublayer's sum is gX + P H W with g the skip gain (DeepNorm's alpha, else 1);
+    the exact step is NaN where the branch output is normed."""
     t = ec["residual_sum_sq"] / (n * ec["residual_sq"])
-    s_nominal = amt.s * ec["branch_in_sq"] / ec["residual_sq"]
-    exact = ((ec["residual_sum_sq"] + amt.s * ec["prefix_sum_sq"])
-             / (n * (ec["residual_sq"] + amt.s * ec["prefix_sq"])) - t)
+    gain2 = deepnorm_alpha(n_layers) ** 2 if norm == "deepnorm" else 1.0
+    s_nominal = amt.s * ec["branch_in_sq"] / (gain2 * ec["residual_sq"])
+    exact = ((gain2 * ec["residual_sum_sq"] + amt.s * ec["prefix_sum_sq"])
+             / (n * (gain2 * ec["residual_sq"] + amt.s * ec["prefix_sq"])) - t)
+    if norm in BRANCH_OUTPUT_NORMED:
+        exact = np.full_like(t, np.nan)
     return {"s_nominal": s_nominal,
             "d_attn_closed_s_nominal": theory.delta_attn(s_nominal, t, n),
             "d_attn_exact_s_nominal": exact, "rho_ec": theory.ec_rho(t, n),
@@ -154,7 +165,8 @@ def run_seed(spec: ModelSpec, fns: dict, params: dict, x0_1xNxD: jax.Array,
     n = spec.max_len
     start = time.perf_counter()
     out = derived(_numpy(fns["softmax"](params, x0_1xNxD)), amt, n)
-    out.update(ec_derived(_numpy(fns["ec"](params, x0_1xNxD)), amt, n))
+    out.update(ec_derived(_numpy(fns["ec"](params, x0_1xNxD)), amt, n, spec.norm,
+                          spec.n_layers))
     logging.info("%s stack forward: %.1f s", spec.norm, time.perf_counter() - start)
     x0 = np.asarray(x0_1xNxD[0], np.float64)
     maps = PLACEMENTS[spec.norm].gram_maps(spec)
@@ -194,8 +206,11 @@ def aggregate(per_seed: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
 def compared(measured: np.ndarray, reference: np.ndarray) -> dict[str, float | int | None]:
     """Per-layer relative error of ``measured`` against ``reference``: the worst layer and its
     error, the mean |error|, the layers beyond 10%, and the first layer from which every layer
-    is within 10% (None if the last is not)."""
+    is within 10% (None if the last is not); all None where ``reference`` is not defined (NaN)."""
     rel = measured / reference - 1.0
+    if not np.isfinite(rel).all():
+        return dict.fromkeys(("worst_layer", "worst_rel_err", "mean_abs_rel_err",
+                              "layers_beyond_10pct", "within_10pct_from_layer"))
     layer = int(np.argmax(np.abs(rel)))
     beyond = np.flatnonzero(np.abs(rel) > 0.1)
     within_from = 0 if beyond.size == 0 else int(beyond[-1]) + 1
@@ -288,6 +303,8 @@ def write_csv(path: str, results: dict[tuple[str, str], dict[str, np.ndarray]]) 
 
 def _errors(found: dict) -> str:
     """A ``compared`` record as worst (layer) / mean |error| / layers beyond 10%."""
+    if found["worst_layer"] is None:
+        return "–"
     return (f"{found['worst_rel_err']:+.3f} ({found['worst_layer']}) / "
             f"{found['mean_abs_rel_err']:.3f} / {found['layers_beyond_10pct']}")
 

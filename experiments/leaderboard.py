@@ -27,10 +27,11 @@ final checkpoint, cached in ``<run>/leaderboard.json``:
   its first warn, the lead to the collapse step on a collapsed run, a false alarm on another.
 
 Per cell (method, depth, lr, warmup) the table gives the seeds finished and how they ended
-(``done``; ``nonfinite``: stopped by a non-finite step; ``failed``; each shown in its cell, never
-left out), how many collapsed (the project's rule), these measures over seeds, the gap of the
-fresh-batch loss to Pre-Norm's in the same cell, and to Post-Norm's in cells where no Post-Norm
-seed collapsed. Writes ``leaderboard.json``, ``leaderboard.md``, ``leaderboard.png`` (methods x
+(``done``; ``nonfinite``: stopped by a non-finite step; ``missing``: not run yet; ``stale``: a
+result of another config than the plan's; each shown in its cell, never left out), how many
+collapsed (the project's rule), these measures over seeds, the gap of the fresh-batch loss to
+Pre-Norm's in the same cell, and to Post-Norm's in cells where every Post-Norm seed finished
+and none collapsed. Writes ``leaderboard.json``, ``leaderboard.md``, ``leaderboard.png`` (methods x
 cells, coloured by loss / L_freq, collapses marked, as the stability map) and ``leaderboard.html``
 (the table, each cell linking its runs' reports, which it writes where missing) to --out_dir.
 With ``--runs`` it prints, for each run directory given, these measures and the collapse verdict
@@ -123,7 +124,8 @@ def run_measures(workdir: str, fresh_batches: int) -> dict:
         "fresh_loss_over_lfreq": fresh["loss_over_lfreq"],
         "min_c": c_min,
         "dldx_first_over_last_early": float(np.exp(np.mean(np.log(ratio)))),
-        "update_norm_early": float(np.mean(np.sqrt(sum(u**2 for u in updates)))),
+        "update_norm_early": (float(np.mean(np.sqrt(sum(u**2 for u in updates))))
+                              if updates else None),
         "first_warn": first_warn,
         "warn_lead": (collapse.collapse_step - first_warn
                       if collapse.collapsed and first_warn is not None else None),
@@ -143,8 +145,8 @@ def single_run(workdir: str, fresh_batches: int) -> dict:
     keep = ("final_step", "final_eval_loss", "train_loss_over_lfreq", "eval_loss_over_floor",
             "fraction_of_layers_tsim_ge_0.99", "skipped_steps", "rollbacks")
     return {"workdir": workdir, **{k: summary[k] for k in keep if k in summary},
-            "collapsed": summary["collapse"]["collapsed"],
-            "collapse_step": summary["collapse"]["collapse_step"],
+            "collapsed": summary.get("collapse", {}).get("collapsed"),
+            "collapse_step": summary.get("collapse", {}).get("collapse_step"),
             **run_measures(workdir, fresh_batches)}
 
 
@@ -159,8 +161,10 @@ def chosen_plan(sweep_arg: str, methods: list[str]) -> tuple[str, list[RunSpec]]
 
 def progress(configs: list[ml_collections.ConfigDict], rows: list[dict], workers: int) -> str:
     """Runs finished and left, and an ETA: each run left takes the mean training time of the
-    finished runs of its depth (scaled by layers from the nearest measured depth if none)."""
-    finished = [(c.model.n_layers, r.get("wall_s")) for c, r in zip(configs, rows, strict=True)
+    ``done`` runs of its depth, or, at a depth none has finished, their mean time per layer
+    times its layers."""
+    finished = [(c.model.n_layers, r.get("wall_s") if r["status"] == "done" else None)
+                for c, r in zip(configs, rows, strict=True)
                 if r["status"] in ("done", "nonfinite")]
     left = [c.model.n_layers for c, r in zip(configs, rows, strict=True)
             if r["status"] not in ("done", "nonfinite")]
@@ -204,8 +208,11 @@ def aggregate(rows: list[dict]) -> list[dict]:
         runs = groups[key]
         done = [r for r in runs if r["status"] == "done"]
         pre = groups.get(("pre", *key[1:]), [])
-        post = [r for r in groups.get(("post", *key[1:]), []) if r["status"] == "done"]
-        post_safe = bool(post) and not any(r.get("collapsed") for r in post)
+        post_all = groups.get(("post", *key[1:]), [])
+        post = [r for r in post_all if r["status"] == "done"]
+        # every planned Post seed finished and none collapsed
+        post_safe = bool(post) and len(post) == len(post_all) and not any(
+            r.get("collapsed") for r in post)
         leads = [r["warn_lead"] for r in done if r.get("warn_lead") is not None]
         out.append({
             **dict(zip(CELL, key, strict=True)), "planned": len(runs),

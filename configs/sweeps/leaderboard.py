@@ -11,7 +11,7 @@ compares every method. Variant ``blocked``: every method once (lr 3e-3, seed 0) 
 attention kernel, the check that each trains without a non-finite step on both kernels.
 
 Variant ``grid``: the leaderboard's full grid, depth {12, 24, 48} x lr {1e-3, 3e-3} x warmup
-{20, 100} steps, plus 96 layers, sized to about 10 hours of the 2-core host beyond the 84 runs
+{20, 100} steps, plus 96 layers, sized to about 9 hours of the 2-core host beyond the 84 runs
 above (which it contains; a run is found by its config, so runs finished under either plan
 count for both). Measured one-worker times at 300 steps: about 14 min at 48 layers (650-910 s),
 so about 7 at 24, 3.5 at 12 and 28 at 96. What it runs, and what it cuts:
