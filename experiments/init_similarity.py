@@ -67,7 +67,7 @@ from postnorm.errors import exit_on_error
 from postnorm.files import dumps, make_output_dir, write_json_atomic
 from postnorm.model import PLACEMENTS, ModelSpec
 from postnorm.model.initializers import embedding_init
-from postnorm.model.placements import deepnorm_alpha, init_gains
+from postnorm.model.placements import init_gains
 from postnorm.model.similarity_init import with_similarity_init
 from postnorm.runtime.allocator import use_allocator
 from postnorm.theory import INIT_SCHEMES
@@ -138,15 +138,14 @@ BRANCH_OUTPUT_NORMED = ("sandwich", "periln")
 
 
 def ec_derived(ec: dict[str, np.ndarray], amt: theory.Amounts, n: int,
-               norm: str, n_layers: int) -> dict[str, np.ndarray]:
+               norm: str) -> dict[str, np.ndarray]:
     """Per layer, Thm 3.2 at the nominal s on the measured state, and its distance from EC.
-    The attention sublayer's sum is gX + P H W with g the skip gain (DeepNorm's alpha, else 1);
-    the exact step is NaN where the branch output is normed."""
+    The step is X + P H W, as Thm 3.2 states it and as ``d_attn_pm`` measures it (DeepNorm's
+    skip gain alpha is left out of both); NaN where the branch output is normed."""
     t = ec["residual_sum_sq"] / (n * ec["residual_sq"])
-    gain2 = deepnorm_alpha(n_layers) ** 2 if norm == "deepnorm" else 1.0
-    s_nominal = amt.s * ec["branch_in_sq"] / (gain2 * ec["residual_sq"])
-    exact = ((gain2 * ec["residual_sum_sq"] + amt.s * ec["prefix_sum_sq"])
-             / (n * (gain2 * ec["residual_sq"] + amt.s * ec["prefix_sq"])) - t)
+    s_nominal = amt.s * ec["branch_in_sq"] / ec["residual_sq"]
+    exact = ((ec["residual_sum_sq"] + amt.s * ec["prefix_sum_sq"])
+             / (n * (ec["residual_sq"] + amt.s * ec["prefix_sq"])) - t)
     if norm in BRANCH_OUTPUT_NORMED:
         exact = np.full_like(t, np.nan)
     return {"s_nominal": s_nominal,
@@ -165,8 +164,7 @@ def run_seed(spec: ModelSpec, fns: dict, params: dict, x0_1xNxD: jax.Array,
     n = spec.max_len
     start = time.perf_counter()
     out = derived(_numpy(fns["softmax"](params, x0_1xNxD)), amt, n)
-    out.update(ec_derived(_numpy(fns["ec"](params, x0_1xNxD)), amt, n, spec.norm,
-                          spec.n_layers))
+    out.update(ec_derived(_numpy(fns["ec"](params, x0_1xNxD)), amt, n, spec.norm))
     logging.info("%s stack forward: %.1f s", spec.norm, time.perf_counter() - start)
     x0 = np.asarray(x0_1xNxD[0], np.float64)
     maps = PLACEMENTS[spec.norm].gram_maps(spec)
