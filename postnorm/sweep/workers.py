@@ -94,13 +94,15 @@ def run_pinned(fn: Callable, jobs: Sequence[tuple], workers: int) -> list:
     """
     if workers == 1 or not jobs:
         return [fn(*job) for job in jobs]
-    context = multiprocessing.get_context("spawn")
-    groups, pids, stopping_event = context.Queue(), context.Queue(), context.Event()
-    for group in cpu_groups(workers):
-        groups.put(group)
-    pool_workers = _Workers(pids)
-    watch = PreemptionWatch(0)  # SIGTERM and a first Ctrl-C only recorded; a second one raises
+    # first: SIGTERM and a first Ctrl-C only recorded (a second one raises), also while the
+    # queues below start multiprocessing's resource tracker, which takes a while on a busy host
+    watch = PreemptionWatch(0)
     try:
+        context = multiprocessing.get_context("spawn")
+        groups, pids, stopping_event = context.Queue(), context.Queue(), context.Event()
+        for group in cpu_groups(workers):
+            groups.put(group)
+        pool_workers = _Workers(pids)
         # Workers inherit the blocked signals and unblock them once they can record them:
         # a signal while one is still starting would otherwise kill it (and the pool).
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
