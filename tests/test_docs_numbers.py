@@ -107,3 +107,20 @@ def test_theorem_32_at_the_nominal_s_and_theorem_34_match_the_stage1_outputs():
             if r["input"] == source and int(r["layer"]) in (0, 1, 2, 4, 8, 16, 24, 32, 40, 47):
                 line = f"| {r['layer']} | " + " | ".join(f"{float(r[k]):.4g}" for k in keys)
                 assert line + " |" in doc, line
+
+
+def test_the_stability_map_replay_matches_its_json():
+    rows = [r for r in json.loads((EARLY_WARNING / "replay_stability_partial.json")
+                                  .read_text())["runs"] if r["finished"]]
+    collapsing = [r for r in rows if r["collapsed"]]
+    quiet = [r for r in rows if not r["collapsed"]]
+    assert (len(rows), len(collapsing), len(quiet)) == (17, 3, 14)
+    assert {(r["method"], r["n_layers"], r["lr"]) for r in collapsing} == {
+        ("post", 24, 3e-3), ("post", 48, 1e-3), ("post", 48, 3e-3)}
+    assert sorted(r["lead_steps"] for r in collapsing) == [160, 160, 170]
+    assert not any(r["false_alarm"] for r in quiet)
+    assert sum(r["method"] == "pre" for r in quiet) == 8
+    assert sum(r["n_layers"] == 12 for r in quiet) == 5
+    doc = (REPO / "docs" / "DIAGNOSTICS.md").read_text()
+    assert "| 160–170 steps | 0 of 14, among them all 8 Pre-Norm runs and all 5 12-layer runs |" \
+        in doc
