@@ -20,7 +20,6 @@ Writes ``summary.json``, ``summary.md`` and ``backward_decay.png`` (Post and Pre
 """
 
 import collections
-import glob
 import os
 
 import matplotlib
@@ -34,7 +33,7 @@ from postnorm.analysis.tables import cell, markdown_table
 from postnorm.errors import UserError, exit_on_error
 from postnorm.files import make_output_dir, write_bytes_atomic, write_json_atomic
 from postnorm.workdir.config_record import recorded_config
-from postnorm.workdir.metrics import read_metrics
+from postnorm.workdir.metrics import find_runs, read_metrics
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -202,9 +201,7 @@ def main(argv: list[str]) -> None:
     del argv
     if FLAGS.out_dir is None:
         raise app.UsageError("--out_dir is required")
-    found = sorted(os.path.dirname(p) for root in FLAGS.runs_under
-                   for p in glob.glob(os.path.join(root, "**", "metrics.jsonl"), recursive=True))
-    chosen = [workdir for workdir in [*FLAGS.runs, *found]
+    chosen = [workdir for workdir in [*FLAGS.runs, *find_runs(FLAGS.runs_under)]
               if method_label(recorded_config(workdir)) in FLAGS.methods]
     rows = [r for r in map(run_record, chosen) if r["finished"]]
     if not rows:

@@ -13,9 +13,7 @@ run and a markdown table of the finished runs with the totals (written to ``--ou
 """
 
 import dataclasses
-import glob
 import json
-import os
 
 from absl import app, flags, logging
 
@@ -26,7 +24,7 @@ from postnorm.diagnostics.early_warning import DEFAULT_MONITOR, MonitorRule
 from postnorm.errors import UserError, exit_on_error
 from postnorm.files import write_bytes_atomic, write_json_atomic
 from postnorm.workdir.config_record import recorded_config
-from postnorm.workdir.metrics import read_metrics
+from postnorm.workdir.metrics import find_runs, read_metrics
 
 flags.DEFINE_list("runs", [], "Run directories.")
 flags.DEFINE_list("runs_under", [], "Directories whose every run (a metrics.jsonl below them) is "
@@ -76,12 +74,6 @@ def run_row(workdir: str, rule: MonitorRule = DEFAULT_MONITOR) -> dict:
         "false_alarm": not collapse.collapsed and state.first_warn is not None,
         "warn_reason": next((a.reason for a in alarms if a.level == 2), ""),
     }
-
-
-def find_runs(roots: list[str]) -> list[str]:
-    """Every directory below ``roots`` holding a ``metrics.jsonl``."""
-    return sorted(os.path.dirname(p) for root in roots
-                  for p in glob.glob(os.path.join(root, "**", "metrics.jsonl"), recursive=True))
 
 
 def markdown(rows: list[dict], rule: MonitorRule = DEFAULT_MONITOR) -> str:

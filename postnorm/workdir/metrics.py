@@ -2,6 +2,7 @@
 
 import contextlib
 import errno
+import glob
 import itertools
 import json
 import os
@@ -220,6 +221,12 @@ class MetricWriter:
         self._tb, self._jsonl = None, None
         if errors and not failed_before:
             raise errors[0]
+
+
+def find_runs(roots: list[str]) -> list[str]:
+    """Every directory below ``roots`` holding a ``metrics.jsonl``, sorted."""
+    return sorted(os.path.dirname(p) for root in roots
+                  for p in glob.glob(os.path.join(root, "**", "metrics.jsonl"), recursive=True))
 
 
 def read_metrics(workdir: str) -> list[dict]:
