@@ -2,6 +2,7 @@
 
     python -m experiments.leaderboard --out_dir runs/leaderboard [--sweep FILE[:variant]]
         [--methods post,pre,...] [--shard i/n] [--workers N] [--report_only] [--fresh_batches 512]
+        [--archive docs/leaderboard/runs]
     python -m experiments.leaderboard --runs DIR[,DIR...]   # the same measures of any runs, as JSON
 
 Built on the sweep runner (``postnorm.sweep.runner``): every run's config is validated before the
@@ -11,7 +12,7 @@ hosts that share --out_dir, and ``--workers N`` trains in N pinned processes. ``
 the plan's runs of those methods; ``--report_only`` trains nothing. It logs the plan's progress
 first (runs finished, left, and an ETA from the measured times of the finished runs of the same
 depth), then writes the sweep's ``summary.json`` and measures every finished run once more on its
-final checkpoint, cached in ``<run>/leaderboard.json``:
+final checkpoint, cached in ``<run>/leaderboard.json`` (``postnorm.analysis.run_measures``):
 
 * ``fresh_loss_over_lfreq``: the loss on the next ``--fresh_batches`` training batches the run
   never trained on, over L_freq (``postnorm.analysis.thm38.next_batches_loss``);
@@ -34,11 +35,19 @@ Pre-Norm's in the same cell, and to Post-Norm's in cells where every Post-Norm s
 and none collapsed. Writes ``leaderboard.json``, ``leaderboard.md``, ``leaderboard.png`` (methods x
 cells, coloured by loss / L_freq, collapses marked, as the stability map) and ``leaderboard.html``
 (the table, each cell linking its runs' reports, which it writes where missing) to --out_dir.
+With ``--archive A`` each run is measured as soon as it ends, in its worker, and its record (its
+config, ``result.json`` and these measures) written to ``A/<run id>.json`` (``postnorm.sweep.
+archive``), as are the finished runs of --out_dir not recorded yet: committed, the archive keeps
+a plan that takes several sittings on machines whose run directories do not last. A run recorded
+there is not trained again, and the table takes it from there when --out_dir lacks it, so
+``--out_dir docs/leaderboard --archive docs/leaderboard/runs --report_only`` rebuilds the
+committed table from the archive alone (its cells link no report).
 With ``--runs`` it prints, for each run directory given, these measures and the collapse verdict
 as JSON lines, with no sweep.
 """
 
 
+import functools
 import html
 import json
 import os
@@ -50,24 +59,21 @@ import numpy as np
 from absl import app, flags, logging
 
 from configs.sweeps.leaderboard import METHODS, method_of
-from postnorm.analysis.collapse import DEFAULT_RULE, detect_collapse, replay_monitor
 from postnorm.analysis.figures import save_figure
 from postnorm.analysis.report import write_report
+from postnorm.analysis.run_measures import run_measures
 from postnorm.analysis.tables import cell, markdown_table
-from postnorm.analysis.thm38 import next_batches_loss
 from postnorm.config.list_flags import choice_list
 from postnorm.errors import UserError, exit_on_error
 from postnorm.files import make_output_dir, write_bytes_atomic, write_json_atomic
 from postnorm.runtime.allocator import use_allocator
+from postnorm.sweep.archive import archive_finished, archived_runs
 from postnorm.sweep.plan import RunSpec, parse_shard, plan_file, shard
 from postnorm.sweep.record import run_metrics_summary
 from postnorm.sweep.runner import planned_configs, run_sweep, run_workdirs
 from postnorm.sweep.summary import write_summary
 from postnorm.sweep.workers import check_workers
-from postnorm.train.experiment import restore_run
-from postnorm.workdir.config_record import recorded_config
 from postnorm.workdir.layout import Workdir, latest_checkpoint_step
-from postnorm.workdir.metrics import layer_series, read_metrics
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -82,57 +88,18 @@ flags.DEFINE_integer("workers", 1, "Train this shard's runs in this many CPU-pin
 flags.DEFINE_bool("report_only", False, "Train nothing: tabulate the runs finished so far.")
 flags.DEFINE_list("runs", None, "Run directories to measure and print as JSON lines, instead of "
                   "a sweep's --out_dir.")
+flags.DEFINE_string("archive", None, "Directory of the leaderboard's archive: one JSON record "
+                    "per finished run with its measures, written as each ends; runs recorded "
+                    "there are not trained again and the table reads them from there.")
 flags.DEFINE_integer("fresh_batches", 512, "Training batches after the last step to evaluate "
                      "each final checkpoint on.", lower_bound=1)
 FLAGS = flags.FLAGS
 
-CACHE = "leaderboard.json"
 CELL = ("method", "layers", "lr", "warmup")
 
 
 class LeaderboardError(UserError, ValueError):
     """A run cannot be measured or the plan holds no run."""
-
-
-def run_measures(workdir: str, fresh_batches: int) -> dict:
-    """The measures of one finished run (see the module docstring), cached in the workdir by
-    its checkpoint step and the batch count."""
-    step = latest_checkpoint_step(workdir)
-    path = os.path.join(workdir, CACHE)
-    if os.path.exists(path):
-        with open(path) as f:
-            cached = json.load(f)
-        if (cached.get("checkpoint_step") == step and cached.get("fresh_batches") == fresh_batches
-                and "first_warn" in cached):
-            return cached
-    config = recorded_config(workdir)
-    exp, state, step, batches = restore_run(config, workdir, "measure", data_position=True)
-    fresh = next_batches_loss(exp, state, batches, fresh_batches)
-    records = read_metrics(workdir)
-    series = layer_series(records)
-    early = DEFAULT_RULE.early_layers
-    c_min = min(float(np.nanmin(series[f"c_min_{kind}"][1])) for kind in ("attn", "ffn"))
-    _, grad_LxS = series["dldx_norm_attn"]
-    ratio = grad_LxS[:early, 0] / grad_LxS[:early, -1]
-    updates = [series[f"update_norm_{group}"][1][:early, -1] for group in ("attn", "ffn")
-               if f"update_norm_{group}" in series]
-    collapse = detect_collapse(records)
-    first_warn = replay_monitor(records)[1].first_warn
-    measures = {
-        "checkpoint_step": int(step), "fresh_batches": fresh_batches,
-        "fresh_loss": fresh["loss"], "fresh_floor": fresh["floor"], "lfreq": fresh["lfreq"],
-        "fresh_loss_over_lfreq": fresh["loss_over_lfreq"],
-        "min_c": c_min,
-        "dldx_first_over_last_early": float(np.exp(np.mean(np.log(ratio)))),
-        "update_norm_early": (float(np.mean(np.sqrt(sum(u**2 for u in updates))))
-                              if updates else None),
-        "first_warn": first_warn,
-        "warn_lead": (collapse.collapse_step - first_warn
-                      if collapse.collapsed and first_warn is not None else None),
-        "false_alarm": not collapse.collapsed and first_warn is not None,
-    }
-    write_json_atomic(path, measures)
-    return measures
 
 
 def single_run(workdir: str, fresh_batches: int) -> dict:
@@ -313,17 +280,30 @@ def html_page(entries: list[dict], table: str, out_dir: str) -> str:
 
 
 def tabulate(out_dir: str, specs: list[RunSpec], configs: list[ml_collections.ConfigDict],
-             rows: list[dict], fresh_batches: int) -> str:
-    """Measure the finished runs and write the leaderboard's files; returns the markdown."""
-    for spec, config, row in zip(specs, configs, rows, strict=True):
+             rows: list[dict], fresh_batches: int, archive: str | None = None) -> str:
+    """Measure the finished runs (or read an archived run's measures) and write the
+    leaderboard's files; with ``archive``, record there each measured run not recorded yet.
+    Returns the markdown."""
+    archived = archived_runs(archive, configs)
+    for spec, config, row, entry in zip(specs, configs, rows, archived, strict=True):
         row.update(method=method_of(dict(spec.overrides)), layers=config.model.n_layers,
                    lr=config.opt.lr, warmup=config.opt.warmup_steps)
         workdir = os.path.join(out_dir, row["workdir"])
-        if row["status"] == "done":
+        if row.get("archived"):
+            measures = entry.get("measures") or {}
+            if measures and measures["fresh_batches"] != fresh_batches:
+                logging.warning("%s: archived with its loss on %d fresh batches, not %d",
+                                row["run_id"], measures["fresh_batches"], fresh_batches)
+            row.update(measures)
+        elif row["status"] == "done":
             logging.info("measuring %s", row["run_id"])
             row.update(run_measures(workdir, fresh_batches))
             if not os.path.exists(Workdir(workdir).report):
                 write_report(workdir)
+    if archive:
+        archive_finished(archive, [s.run_id for s in specs], configs,
+                         [os.path.join(out_dir, r["workdir"]) for r in rows],
+                         functools.partial(run_measures, fresh_batches=fresh_batches))
     entries = aggregate(rows)
     write_json_atomic(os.path.join(out_dir, "leaderboard.json"),
                       {"runs": rows, "cells": entries, "fresh_batches": fresh_batches})
@@ -352,16 +332,18 @@ def main(argv: list[str]) -> None:
     configs = planned_configs(base, specs, {})
     use_allocator(configs[0].runtime.allocator)  # may re-execute this command
     out_dir = make_output_dir(os.path.abspath(FLAGS.out_dir), "--out_dir")
+    archive = FLAGS.archive and make_output_dir(os.path.abspath(FLAGS.archive), "--archive")
     workdirs = run_workdirs(out_dir, specs, configs)
-    logging.info("the plan: %s", progress(configs, write_summary(base, specs, out_dir, {},
-                                                                  workdirs), FLAGS.workers))
+    rows = write_summary(base, specs, out_dir, {}, workdirs, archived_runs(archive, configs))
+    logging.info("the plan: %s", progress(configs, rows, FLAGS.workers))
     if not FLAGS.report_only:
         mine = shard(list(range(len(specs))), index, count)
         run_sweep([specs[i] for i in mine], [configs[i] for i in mine],
-                  [workdirs[i] for i in mine], FLAGS.workers)
-    rows = write_summary(base, specs, out_dir, {}, workdirs)
+                  [workdirs[i] for i in mine], FLAGS.workers, archive=archive,
+                  measure=functools.partial(run_measures, fresh_batches=FLAGS.fresh_batches))
+    rows = write_summary(base, specs, out_dir, {}, workdirs, archived_runs(archive, configs))
     logging.info("the plan: %s", progress(configs, rows, FLAGS.workers))
-    print(tabulate(out_dir, specs, configs, rows, FLAGS.fresh_batches))
+    print(tabulate(out_dir, specs, configs, rows, FLAGS.fresh_batches, archive))
     logging.info("wall time of this invocation: %.0f s", time.perf_counter() - start)
 
 

@@ -1,7 +1,7 @@
 """Run a sweep (``configs/sweeps/*.py``) sequentially and resumably; tabulate and map the results.
 
     python -m experiments.sweep --sweep configs/sweeps/stability.py --out_dir DIR [--shard i/n]
-        [--workers N] [--override key=value ...] [--report_only]
+        [--workers N] [--override key=value ...] [--report_only] [--archive A]
 
 Every run's config is built and validated before the first run starts; a bad sweep file or
 field stops the command with exit 2 and one line naming the run. Each run trains into
@@ -22,6 +22,9 @@ finished runs found in DIR:
   only), the steps skipped as non-finite (``train.nonfinite=skip``), the rollbacks, and the
   training time over all of the run's invocations. ``--override`` may not set
   a field the run ids name (those the sweep varies; all its fields if it varies none);
+* with ``--archive A``: each run's record in ``A/<run id>.json`` as it ends (and those of
+  runs finished earlier in DIR), to commit; a run recorded there is not trained again, and the
+  table and the map read it from there when DIR lacks it (``postnorm.sweep.archive``);
 * ``stability_map.png``: per norm placement a depth x lr grid coloured by final loss / L_freq,
   collapsed cells marked C in a red frame, diverged cells marked x, missing ones left blank;
   drawn when the sweep varies depth and lr, and nothing but them and the norm placement.
@@ -33,6 +36,7 @@ from postnorm.config.args import field_path, parse_flags
 from postnorm.errors import exit_on_error
 from postnorm.files import dumps, make_output_dir
 from postnorm.runtime.allocator import use_allocator
+from postnorm.sweep.archive import archive_finished, archived_runs
 from postnorm.sweep.plan import (
     RunSpec,
     build_config,
@@ -51,6 +55,9 @@ flags.DEFINE_string("shard", "0/1", "i/n: run every n-th run of the plan, starti
 flags.DEFINE_list("override", [], "key=value overrides applied to every run after the sweep's.")
 flags.DEFINE_bool("report_only", False, "Only rewrite the table and map from finished runs.")
 flags.DEFINE_integer("workers", 1, "Train this shard's runs in this many CPU-pinned processes.")
+flags.DEFINE_string("archive", None, "Directory of the sweep's archive (postnorm.sweep.archive): "
+                    "one JSON record per finished run, written as each ends; runs recorded "
+                    "there are not trained again and the table reads them from there.")
 FLAGS = flags.FLAGS
 
 
@@ -90,11 +97,16 @@ def main(argv: list[str]) -> None:
     use_allocator(process_allocator(base_config, specs, extra))  # may re-execute this command
     make_output_dir(FLAGS.out_dir, "--out_dir")
     workdirs = run_workdirs(FLAGS.out_dir, specs, configs)
+    if FLAGS.archive:
+        make_output_dir(FLAGS.archive, "--archive")
     if not FLAGS.report_only:
         mine = shard(list(range(len(specs))), index, count)
         run_sweep([specs[i] for i in mine], [configs[i] for i in mine],
-                  [workdirs[i] for i in mine], FLAGS.workers)
-    rows = write_summary(base_config, specs, FLAGS.out_dir, extra, workdirs)
+                  [workdirs[i] for i in mine], FLAGS.workers, archive=FLAGS.archive)
+    if FLAGS.archive:
+        archive_finished(FLAGS.archive, [s.run_id for s in specs], configs, workdirs)
+    rows = write_summary(base_config, specs, FLAGS.out_dir, extra, workdirs,
+                         archived_runs(FLAGS.archive, configs))
     print(dumps(rows, indent=1))
 
 

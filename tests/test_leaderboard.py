@@ -45,9 +45,9 @@ def cells(out_dir) -> list[dict]:
 
 @pytest.mark.slow
 def test_the_leaderboard_trains_resumes_and_shards_alike(sweep_file, tmp_path):
-    whole, sharded = tmp_path / "whole", tmp_path / "sharded"
+    whole, sharded, archive = tmp_path / "whole", tmp_path / "sharded", tmp_path / "archive"
     first = leaderboard(f"--sweep={sweep_file}", f"--out_dir={whole}", "--fresh_batches=2",
-                        "--methods=post")
+                        "--methods=post", f"--archive={archive}")
     assert first.returncode == 0, first.stderr[-3000:]
     post_only = json.loads((whole / "leaderboard.json").read_text())
     assert [e["method"] for e in post_only["cells"]] == ["post"]
@@ -64,6 +64,20 @@ def test_the_leaderboard_trains_resumes_and_shards_alike(sweep_file, tmp_path):
     assert pre["gap_to_pre"] == pytest.approx(0.0, abs=1e-12)
     page = (whole / "leaderboard.html").read_text()
     assert page.count("report.html") == 2 and (whole / "leaderboard.png").stat().st_size > 0
+    # the archive: the post run's record written by its worker; the pre run's, trained by a
+    # call without --archive, by a report with it; the two rebuild the table without the runs
+    report = leaderboard(f"--sweep={sweep_file}", f"--out_dir={whole}", "--fresh_batches=2",
+                         f"--archive={archive}", "--report_only")
+    assert report.returncode == 0, report.stderr[-3000:]
+    rebuilt = leaderboard(f"--sweep={sweep_file}", f"--out_dir={tmp_path / 'rebuilt'}",
+                          "--fresh_batches=2", f"--archive={archive}", "--report_only")
+    assert rebuilt.returncode == 0, rebuilt.stderr[-3000:]
+    assert sorted(p.name for p in archive.iterdir()) == sorted(
+        f"{r['run_id']}.json" for r in board["runs"])
+    assert cells(tmp_path / "rebuilt") == cells(whole)
+    again = leaderboard(f"--sweep={sweep_file}", f"--out_dir={tmp_path / 'again'}",
+                        "--fresh_batches=2", f"--archive={archive}")
+    assert again.returncode == 0 and again.stderr.count("archived in") == 2, again.stderr[-3000:]
     for shard in ("0/2", "1/2"):
         result = leaderboard(f"--sweep={sweep_file}", f"--out_dir={sharded}",
                              "--fresh_batches=2", f"--shard={shard}")

@@ -2,6 +2,7 @@
 directory each run trains into (found by its config, so renamed runs are not trained again), and
 the runs trained in order or in pinned worker processes."""
 
+import functools
 import os
 
 import jax
@@ -11,6 +12,7 @@ from absl import logging
 from postnorm.config import ConfigError, config_data, config_digest
 from postnorm.config.args import ConfigArgError
 from postnorm.data import DataError, load_data
+from postnorm.sweep.archive import Measure, archived_runs, run_and_archive
 from postnorm.sweep.plan import RunSpec, SweepError, build_config
 from postnorm.sweep.record import is_finished, run_logged
 from postnorm.sweep.workers import run_pinned
@@ -93,18 +95,29 @@ def run_workdirs(out_dir: str, specs: list[RunSpec],
 
 
 def run_sweep(specs: list[RunSpec], configs: list[ml_collections.ConfigDict],
-              workdirs: list[str], workers: int = 1) -> None:
+              workdirs: list[str], workers: int = 1, archive: str | None = None,
+              measure: Measure | None = None) -> None:
     """Train (or skip) every run of ``specs``: in order, or in ``workers`` pinned processes,
-    which take the runs with the most layer-steps first so that no long run starts last."""
+    which take the runs with the most layer-steps first so that no long run starts last.
+
+    With ``archive`` (``postnorm.sweep.archive``), a run recorded there is not trained, and each
+    run that ends is recorded there (with ``measure(workdir)`` when it ended ``done``)."""
+    archived = archived_runs(archive, configs)
     jobs = []
-    for number, (spec, config, workdir) in enumerate(zip(specs, configs, workdirs, strict=True),
-                                                     1):
+    for number, (spec, config, workdir, entry) in enumerate(
+            zip(specs, configs, workdirs, archived, strict=True), 1):
         label = f"run {number}/{len(specs)} {spec.run_id}"
-        if is_finished(workdir, config):
+        if entry is not None:
+            logging.info("%s: already finished (%s, archived in %s)", label,
+                         entry["result"]["status"], archive)
+        elif is_finished(workdir, config):
             logging.info("%s: already finished", label)
         else:
-            jobs.append((config, workdir, label))
+            jobs.append((config, workdir, label, spec.run_id))
     if jobs and workers > 1:
         load_data(jobs[0][0].data, seed=jobs[0][0].seed)  # build the shared caches once
         jobs.sort(key=lambda job: job[0].model.n_layers * job[0].train.steps, reverse=True)
-    run_pinned(run_logged, jobs, workers)
+    if archive is None:
+        run_pinned(run_logged, [job[:3] for job in jobs], workers)
+    else:
+        run_pinned(functools.partial(run_and_archive, archive, measure), jobs, workers)

@@ -1,0 +1,113 @@
+"""A sweep's archive: one small JSON file per finished run (its config, its ``result.json`` and
+any measures taken on its final checkpoint), written as each run ends and meant to be committed.
+
+A plan too long for one sitting, on machines whose run directories do not outlast the sitting,
+keeps every run it finished: the runner trains no archived run again, and the tables read an
+archived run from its file when its directory is gone. A run is matched to its file by its
+config, as to its directory (``record.planned_digests``), so a file of another config is ignored.
+"""
+
+import json
+import os
+import time
+from collections.abc import Callable
+
+import ml_collections
+
+from postnorm.errors import UserError
+from postnorm.files import from_text, make_output_dir, write_json_atomic
+from postnorm.sweep.record import is_finished, planned_digests, read_result, run_logged
+from postnorm.workdir.config_record import read_run_config
+
+FINAL = ("done", "nonfinite")
+Measure = Callable[[str], dict]
+
+
+class ArchiveError(UserError, ValueError):
+    """An archive file that cannot be read as a run's record."""
+
+
+def archive_path(archive_dir: str, run_id: str) -> str:
+    return os.path.join(archive_dir, f"{run_id}.json")
+
+
+def archive_run(archive_dir: str, run_id: str, workdir: str,
+                measures: dict | None = None) -> dict:
+    """Write the record of the finished run in ``workdir`` as ``<archive_dir>/<run_id>.json``
+    (atomically); returns it. Its ``result`` is ``result.json`` without the machine's path."""
+    result = read_result(workdir)
+    if result is None or result["status"] not in FINAL:
+        raise ArchiveError(f"{workdir} holds no finished run to archive")
+    entry = {"run_id": run_id, "config": read_run_config(workdir),
+             "result": {k: v for k, v in result.items() if k != "workdir"},
+             "measures": measures, "archived_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    make_output_dir(archive_dir, "--archive")
+    write_json_atomic(archive_path(archive_dir, run_id), entry)
+    return entry
+
+
+def read_archive(archive_dir: str) -> list[dict]:
+    """Every record in ``archive_dir`` (none when it does not exist); a file that is not a
+    record raises ``ArchiveError`` naming it."""
+    if not os.path.isdir(archive_dir):
+        return []
+    entries = []
+    for name in sorted(os.listdir(archive_dir)):
+        if not name.endswith(".json"):
+            continue
+        path = os.path.join(archive_dir, name)
+        try:
+            with open(path) as f:
+                entry = from_text(json.load(f))
+        except (OSError, ValueError) as err:
+            raise ArchiveError(f"{path} cannot be read ({err}): restore it from git, or delete "
+                               "it and the run trains again") from err
+        if (not isinstance(entry, dict) or not isinstance(entry.get("config"), dict)
+                or not isinstance(entry.get("result"), dict)
+                or entry["result"].get("status") not in FINAL
+                or "config_digest" not in entry["result"]):
+            raise ArchiveError(f"{path} is not a run's record (config, and a result with a "
+                               f"status of {' or '.join(FINAL)} and a config digest): restore "
+                               "it from git, or delete it and the run trains again")
+        entries.append(entry)
+    return entries
+
+
+def archived_runs(archive_dir: str | None,
+                  configs: list[ml_collections.ConfigDict]) -> list[dict | None]:
+    """Per planned config, the archive's record of its run, or None."""
+    entries = read_archive(archive_dir) if archive_dir else []
+    by_digest = {e["result"]["config_digest"]: e for e in entries}
+    found = []
+    for config in configs:
+        matches = [by_digest[d] for d in sorted(planned_digests(config)) if d in by_digest]
+        found.append(matches[0] if matches else None)
+    return found
+
+
+def run_and_archive(archive_dir: str, measure: Measure | None,
+                    config: ml_collections.ConfigDict, workdir: str, label: str,
+                    run_id: str) -> str:
+    """``record.run_logged``, then the run's record into ``archive_dir``, with
+    ``measure(workdir)`` of a run that ended ``done``; returns the run's status."""
+    status = run_logged(config, workdir, label)
+    archive_run(archive_dir, run_id, workdir,
+                measure(workdir) if measure is not None and status == "done" else None)
+    return status
+
+
+def archive_finished(archive_dir: str, run_ids: list[str],
+                     configs: list[ml_collections.ConfigDict], workdirs: list[str],
+                     measure: Measure | None = None) -> int:
+    """Record in ``archive_dir`` every run finished in its workdir and not recorded there yet
+    (one trained before the archive was given); returns how many it recorded."""
+    archived = archived_runs(archive_dir, configs)
+    count = 0
+    for run_id, config, workdir, entry in zip(run_ids, configs, workdirs, archived,
+                                              strict=True):
+        if entry is None and is_finished(workdir, config):
+            done = read_result(workdir)["status"] == "done"
+            archive_run(archive_dir, run_id, workdir,
+                        measure(workdir) if measure is not None and done else None)
+            count += 1
+    return count
