@@ -2,8 +2,10 @@
 
 import json
 import re
+import subprocess
+import sys
 
-from tests.reliability_helpers import REPO
+from tests.reliability_helpers import REPO, subprocess_env
 
 EARLY_WARNING = REPO / "docs" / "figures" / "early_warning"
 
@@ -124,3 +126,27 @@ def test_the_stability_map_replay_matches_its_json():
     doc = (REPO / "docs" / "DIAGNOSTICS.md").read_text()
     assert "| 160–170 steps | 0 of 14, among them all 8 Pre-Norm runs and all 5 12-layer runs |" \
         in doc
+
+
+LEADERBOARD = REPO / "docs" / "leaderboard"
+
+
+def test_the_committed_leaderboard_is_its_archive_tabulated(tmp_path):
+    """docs/LEADERBOARD.md's table is the committed leaderboard.md, and the command beside it
+    rebuilds that table and its JSON from the committed archive alone."""
+    board = json.loads((LEADERBOARD / "leaderboard.json").read_text())
+    table = (LEADERBOARD / "leaderboard.md").read_text()
+    doc = (REPO / "docs" / "LEADERBOARD.md").read_text()
+    assert table.strip() in doc
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.leaderboard", f"--out_dir={tmp_path}",
+         "--archive=docs/leaderboard/runs", "--report_only"],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env=subprocess_env(None))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "leaderboard.md").read_text() == table
+    assert json.loads((tmp_path / "leaderboard.json").read_text())["cells"] == board["cells"]
+    runs = board["runs"]
+    finished = [r for r in runs if r["status"] in ("done", "nonfinite")]
+    archived = list((LEADERBOARD / "runs").glob("*.json"))
+    assert len(archived) == len(finished) and all(r.get("archived") for r in finished)
+    assert f"{len(finished)} of the plan's {len(runs)} runs" in doc

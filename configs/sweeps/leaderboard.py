@@ -2,9 +2,8 @@
 config (48 layers, d=64, d_ff=192, n=128, batch 16, embedded corpus, 300 steps) at the two peak
 learning rates where Post-Norm collapses (1e-3 and 3e-3), three seeds each (docs/METHODS.md).
 
-    python -m experiments.sweep --sweep configs/sweeps/leaderboard.py --out_dir runs/leaderboard \\
-        --workers 2
-    python -m experiments.leaderboard --out_dir runs/leaderboard   # the table and the figure
+    python -m experiments.leaderboard --out_dir runs/leaderboard --archive docs/leaderboard/runs \\
+        --workers 2   # trains, measures and tabulates; docs/LEADERBOARD.md
 
 The plan runs seed 0 of every method first, then seed 1, then seed 2, so a partial sweep already
 compares every method. Variant ``blocked``: every method once (lr 3e-3, seed 0) with the blocked
