@@ -332,7 +332,8 @@ def main(argv: list[str]) -> None:
     configs = planned_configs(base, specs, {})
     use_allocator(configs[0].runtime.allocator)  # may re-execute this command
     out_dir = make_output_dir(os.path.abspath(FLAGS.out_dir), "--out_dir")
-    archive = FLAGS.archive and make_output_dir(os.path.abspath(FLAGS.archive), "--archive")
+    archive = (make_output_dir(os.path.abspath(FLAGS.archive), "--archive") if FLAGS.archive
+               else None)
     workdirs = run_workdirs(out_dir, specs, configs)
     rows = write_summary(base, specs, out_dir, {}, workdirs, archived_runs(archive, configs))
     logging.info("the plan: %s", progress(configs, rows, FLAGS.workers))

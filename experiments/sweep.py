@@ -97,16 +97,15 @@ def main(argv: list[str]) -> None:
     use_allocator(process_allocator(base_config, specs, extra))  # may re-execute this command
     make_output_dir(FLAGS.out_dir, "--out_dir")
     workdirs = run_workdirs(FLAGS.out_dir, specs, configs)
-    if FLAGS.archive:
-        make_output_dir(FLAGS.archive, "--archive")
+    archive = make_output_dir(FLAGS.archive, "--archive") if FLAGS.archive else None
     if not FLAGS.report_only:
         mine = shard(list(range(len(specs))), index, count)
         run_sweep([specs[i] for i in mine], [configs[i] for i in mine],
-                  [workdirs[i] for i in mine], FLAGS.workers, archive=FLAGS.archive)
-    if FLAGS.archive:
-        archive_finished(FLAGS.archive, [s.run_id for s in specs], configs, workdirs)
+                  [workdirs[i] for i in mine], FLAGS.workers, archive=archive)
+    if archive:
+        archive_finished(archive, [s.run_id for s in specs], configs, workdirs)
     rows = write_summary(base_config, specs, FLAGS.out_dir, extra, workdirs,
-                         archived_runs(FLAGS.archive, configs))
+                         archived_runs(archive, configs))
     print(dumps(rows, indent=1))
 
 
