@@ -58,17 +58,18 @@ import ml_collections
 import numpy as np
 from absl import app, flags, logging
 
-from configs.sweeps.leaderboard import METHODS, method_of
+from configs.sweeps.leaderboard import METHODS, method_label, method_of
 from postnorm.analysis.figures import save_figure
 from postnorm.analysis.report import write_report
 from postnorm.analysis.run_measures import run_measures
 from postnorm.analysis.tables import cell, markdown_table
+from postnorm.config import config_data
 from postnorm.config.list_flags import choice_list
 from postnorm.errors import UserError, exit_on_error
 from postnorm.files import make_output_dir, write_bytes_atomic, write_json_atomic
 from postnorm.runtime.allocator import use_allocator
 from postnorm.sweep.archive import archive_finished, archived_runs
-from postnorm.sweep.plan import RunSpec, parse_shard, plan_file, shard
+from postnorm.sweep.plan import RunSpec, build_config, parse_shard, plan_file, shard, split_arg
 from postnorm.sweep.record import run_metrics_summary
 from postnorm.sweep.runner import planned_configs, run_sweep, run_workdirs
 from postnorm.sweep.summary import write_summary
@@ -91,6 +92,11 @@ flags.DEFINE_list("runs", None, "Run directories to measure and print as JSON li
 flags.DEFINE_string("archive", None, "Directory of the leaderboard's archive: one JSON record "
                     "per finished run with its measures, written as each ends; runs recorded "
                     "there are not trained again and the table reads them from there.")
+flags.DEFINE_list("cost", ["docs/perf/intel_methods_overhead.json",
+                            "docs/perf/intel_methods_overhead_reversed.json"],
+                  "benchmarks/bench.py JSON files, each timing methods side by side with post "
+                  "first: the table's step time and peak memory relative to post (geometric mean "
+                  "over the files); empty: no cost columns.")
 flags.DEFINE_integer("fresh_batches", 512, "Training batches after the last step to evaluate "
                      "each final checkpoint on.", lower_bound=1)
 FLAGS = flags.FLAGS
@@ -100,6 +106,35 @@ CELL = ("method", "layers", "lr", "warmup")
 
 class LeaderboardError(UserError, ValueError):
     """A run cannot be measured or the plan holds no run."""
+
+
+def method_costs(paths: list[str], base_config: str) -> dict[str, dict]:
+    """Per method, its train-step time and peak memory over post's, each a geometric mean over
+    the ``benchmarks/bench.py`` runs in ``paths`` (variants as after ``base_config``'s colon;
+    a method's first variant in a file counts, post's is the reference). Methods a file does not
+    time are absent."""
+    ratios: dict[str, dict[str, list[float]]] = {}
+    for path in paths:
+        try:
+            with open(path) as f:
+                variants = json.load(f)["variants"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise LeaderboardError(f"--cost: {path} is not a benchmarks/bench.py JSON file "
+                                   f"({err}); give one, or --cost= for no cost columns") from err
+        measured: dict[str, dict] = {}
+        for label, bench in variants.items():
+            config = build_config(f"{split_arg(base_config)[0]}:{label}", RunSpec("", ()))
+            measured.setdefault(method_label(config_data(config)), bench["programs"]["train"])
+        if "post" not in measured:
+            raise LeaderboardError(f"--cost: {path} times no post variant to compare against")
+        post = measured["post"]
+        for method, train in measured.items():
+            entry = ratios.setdefault(method, {"step_time": [], "peak_memory": []})
+            entry["step_time"].append(train["median_s"] / post["median_s"])
+            entry["peak_memory"].append(train["memory"]["peak_estimate_bytes"]
+                                        / post["memory"]["peak_estimate_bytes"])
+    return {method: {f"{k}_vs_post": float(np.exp(np.mean(np.log(v)))) for k, v in r.items()}
+            | {"benchmark_runs": len(r["step_time"])} for method, r in ratios.items()}
 
 
 def single_run(workdir: str, fresh_batches: int) -> dict:
@@ -161,8 +196,9 @@ def _mean_sd(values: list[float]) -> str:
         f"{values[0]:.3f}"
 
 
-def aggregate(rows: list[dict]) -> list[dict]:
-    """One entry per cell: the runs planned and how each ended, and their measures."""
+def aggregate(rows: list[dict], costs: dict[str, dict] | None = None) -> list[dict]:
+    """One entry per cell: the runs planned and how each ended, their measures, and the
+    method's cost (``method_costs``; None where not benchmarked)."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         groups.setdefault(cell_key(row), []).append(row)
@@ -199,6 +235,8 @@ def aggregate(rows: list[dict]) -> list[dict]:
             "warn_lead": leads,
             "false_alarms": sum(bool(r.get("false_alarm")) for r in done),
             "wall_s": [r["wall_s"] for r in done if r.get("wall_s")],
+            "step_time_vs_post": (costs or {}).get(key[0], {}).get("step_time_vs_post"),
+            "peak_memory_vs_post": (costs or {}).get(key[0], {}).get("peak_memory_vs_post"),
             "runs": [r["workdir"] for r in runs],
         })
     return out
@@ -215,7 +253,7 @@ def markdown(entries: list[dict], fresh_batches: int) -> str:
               f"loss / L_freq ({fresh_batches} fresh batches)", "gap to pre",
               "gap to post (where post does not collapse)", "min c",
               "early ‖∂L/∂X‖ first / last", "early update norm", "warn lead (steps)",
-              "false alarms", "train s"]
+              "false alarms", "train s", "step time / post", "peak memory / post"]
     rows = [[e["method"], str(e["layers"]), f"{e['lr']:g}", str(e["warmup"]), _status_cell(e),
              f"{e['collapsed']}/{e['done']}", _mean_sd(e["fresh_loss_over_lfreq"]),
              cell(e["gap_to_pre"], "+.3f"), cell(e["gap_to_post"], "+.3f"),
@@ -223,7 +261,8 @@ def markdown(entries: list[dict], fresh_batches: int) -> str:
              cell([float(v) for v in e["dldx_first_over_last_early"]], ".3g"),
              cell([float(v) for v in e["update_norm_early"]], ".3g"),
              cell([int(v) for v in e["warn_lead"]]), str(e["false_alarms"]),
-             cell(float(np.mean(e["wall_s"])) if e["wall_s"] else None, ".0f")]
+             cell(float(np.mean(e["wall_s"])) if e["wall_s"] else None, ".0f"),
+             cell(e["step_time_vs_post"], ".3f"), cell(e["peak_memory_vs_post"], ".4f")]
             for e in entries]
     return "\n".join(markdown_table(header, rows)) + "\n"
 
@@ -280,7 +319,8 @@ def html_page(entries: list[dict], table: str, out_dir: str) -> str:
 
 
 def tabulate(out_dir: str, specs: list[RunSpec], configs: list[ml_collections.ConfigDict],
-             rows: list[dict], fresh_batches: int, archive: str | None = None) -> str:
+             rows: list[dict], fresh_batches: int, archive: str | None = None,
+             costs: dict[str, dict] | None = None) -> str:
     """Measure the finished runs (or read an archived run's measures) and write the
     leaderboard's files; with ``archive``, record there each measured run not recorded yet.
     Returns the markdown."""
@@ -304,9 +344,10 @@ def tabulate(out_dir: str, specs: list[RunSpec], configs: list[ml_collections.Co
         archive_finished(archive, [s.run_id for s in specs], configs,
                          [os.path.join(out_dir, r["workdir"]) for r in rows],
                          functools.partial(run_measures, fresh_batches=fresh_batches))
-    entries = aggregate(rows)
+    entries = aggregate(rows, costs)
     write_json_atomic(os.path.join(out_dir, "leaderboard.json"),
-                      {"runs": rows, "cells": entries, "fresh_batches": fresh_batches})
+                      {"runs": rows, "cells": entries, "fresh_batches": fresh_batches,
+                       "costs": costs or {}})
     table = markdown(entries, fresh_batches)
     write_bytes_atomic(os.path.join(out_dir, "leaderboard.md"), table.encode())
     plot(os.path.join(out_dir, "leaderboard.png"), entries)
@@ -330,6 +371,7 @@ def main(argv: list[str]) -> None:
     index, count = parse_shard(FLAGS.shard)
     base, specs = chosen_plan(FLAGS.sweep, methods)
     configs = planned_configs(base, specs, {})
+    costs = method_costs(FLAGS.cost, base)
     use_allocator(configs[0].runtime.allocator)  # may re-execute this command
     out_dir = make_output_dir(os.path.abspath(FLAGS.out_dir), "--out_dir")
     archive = (make_output_dir(os.path.abspath(FLAGS.archive), "--archive") if FLAGS.archive
@@ -344,7 +386,7 @@ def main(argv: list[str]) -> None:
                   measure=functools.partial(run_measures, fresh_batches=FLAGS.fresh_batches))
     rows = write_summary(base, specs, out_dir, {}, workdirs, archived_runs(archive, configs))
     logging.info("the plan: %s", progress(configs, rows, FLAGS.workers))
-    print(tabulate(out_dir, specs, configs, rows, FLAGS.fresh_batches, archive))
+    print(tabulate(out_dir, specs, configs, rows, FLAGS.fresh_batches, archive, costs))
     logging.info("wall time of this invocation: %.0f s", time.perf_counter() - start)
 
 

@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.reliability_helpers import REPO, subprocess_env
 
 EARLY_WARNING = REPO / "docs" / "figures" / "early_warning"
@@ -150,3 +152,15 @@ def test_the_committed_leaderboard_is_its_archive_tabulated(tmp_path):
     archived = list((LEADERBOARD / "runs").glob("*.json"))
     assert len(archived) == len(finished) and all(r.get("archived") for r in finished)
     assert f"{len(finished)} of the plan's {len(runs)} runs" in doc
+    # the cost columns: each method's train step over post's in each side-by-side benchmark
+    # run, geometric mean over the two, recomputed from the benchmark files
+    for method, variant in (("pre", "pre"), ("post_qk_norm", "post,model.qk_norm=true"),
+                            ("adaptive", "model.norm=adaptive")):
+        ratios = []
+        for name in ("intel_methods_overhead.json", "intel_methods_overhead_reversed.json"):
+            bench = json.loads((REPO / "docs" / "perf" / name).read_text())["variants"]
+            ratios.append(bench[variant]["programs"]["train"]["median_s"]
+                          / bench["post"]["programs"]["train"]["median_s"])
+        assert board["costs"][method]["step_time_vs_post"] == pytest.approx(
+            (ratios[0] * ratios[1]) ** 0.5, rel=1e-12)
+    assert "b2t_rescaled" not in board["costs"]  # not benchmarked: no cost shown
