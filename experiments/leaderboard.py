@@ -27,6 +27,10 @@ final checkpoint, cached in ``<run>/leaderboard.json`` (``postnorm.analysis.run_
 * the early-warning monitor replayed over the run's records (``postnorm.analysis.collapse``):
   its first warn, the lead to the collapse step on a collapsed run, a false alarm on another.
 
+Each method's cost, the train step's time and peak memory over Post-Norm's, comes from
+side-by-side benchmark runs (``--cost``: ``benchmarks/bench.py`` JSON, by default the two runs
+of docs/PERFORMANCE.md, "The methods that may prevent collapse"), not from training wall times.
+
 Per cell (method, depth, lr, warmup) the table gives the seeds finished and how they ended
 (``done``; ``nonfinite``: stopped by a non-finite step; ``missing``: not run yet; ``stale``: a
 result of another config than the plan's; each shown in its cell, never left out), how many
