@@ -119,24 +119,27 @@ def method_costs(paths: list[str], base_config: str) -> dict[str, dict]:
     time are absent."""
     ratios: dict[str, dict[str, list[float]]] = {}
     for path in paths:
+        measured: dict[str, dict] = {}
         try:
             with open(path) as f:
                 variants = json.load(f)["variants"]
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise LeaderboardError(f"--cost: {path} is not a benchmarks/bench.py JSON file "
-                                   f"({err}); give one, or --cost= for no cost columns") from err
-        measured: dict[str, dict] = {}
-        for label, bench in variants.items():
-            config = build_config(f"{split_arg(base_config)[0]}:{label}", RunSpec("", ()))
-            measured.setdefault(method_label(config_data(config)), bench["programs"]["train"])
+            for label, bench in variants.items():
+                config = build_config(f"{split_arg(base_config)[0]}:{label}", RunSpec("", ()))
+                train = bench["programs"]["train"]
+                measured.setdefault(method_label(config_data(config)),
+                                    {"time": float(train["median_s"]),
+                                     "memory": float(train["memory"]["peak_estimate_bytes"])})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise LeaderboardError(f"--cost: {path} is not a benchmarks/bench.py JSON file of "
+                                   f"{base_config}'s variants ({type(err).__name__}: {err}); "
+                                   "give one, or --cost= for no cost columns") from err
         if "post" not in measured:
             raise LeaderboardError(f"--cost: {path} times no post variant to compare against")
         post = measured["post"]
         for method, train in measured.items():
             entry = ratios.setdefault(method, {"step_time": [], "peak_memory": []})
-            entry["step_time"].append(train["median_s"] / post["median_s"])
-            entry["peak_memory"].append(train["memory"]["peak_estimate_bytes"]
-                                        / post["memory"]["peak_estimate_bytes"])
+            entry["step_time"].append(train["time"] / post["time"])
+            entry["peak_memory"].append(train["memory"] / post["memory"])
     return {method: {f"{k}_vs_post": float(np.exp(np.mean(np.log(v)))) for k, v in r.items()}
             | {"benchmark_runs": len(r["step_time"])} for method, r in ratios.items()}
 
@@ -335,9 +338,12 @@ def tabulate(out_dir: str, specs: list[RunSpec], configs: list[ml_collections.Co
         workdir = os.path.join(out_dir, row["workdir"])
         if row.get("archived"):
             measures = entry.get("measures") or {}
-            if measures and measures["fresh_batches"] != fresh_batches:
-                logging.warning("%s: archived with its loss on %d fresh batches, not %d",
-                                row["run_id"], measures["fresh_batches"], fresh_batches)
+            if row["status"] == "done" and measures.get("fresh_batches") != fresh_batches:
+                logging.warning("%s: its archived record has no loss on %d fresh batches (%s); "
+                                "its cell shows none", row["run_id"], fresh_batches,
+                                f"{measures['fresh_batches']} instead" if measures
+                                else "no measures")
+                measures = {}
             row.update(measures)
         elif row["status"] == "done":
             logging.info("measuring %s", row["run_id"])
@@ -347,7 +353,8 @@ def tabulate(out_dir: str, specs: list[RunSpec], configs: list[ml_collections.Co
     if archive:
         archive_finished(archive, [s.run_id for s in specs], configs,
                          [os.path.join(out_dir, r["workdir"]) for r in rows],
-                         functools.partial(run_measures, fresh_batches=fresh_batches))
+                         functools.partial(run_measures, fresh_batches=fresh_batches),
+                         lambda measures: measures.get("fresh_batches") != fresh_batches)
     entries = aggregate(rows, costs)
     write_json_atomic(os.path.join(out_dir, "leaderboard.json"),
                       {"runs": rows, "cells": entries, "fresh_batches": fresh_batches,

@@ -4,6 +4,7 @@ trains no archived run again, and its table reads the archived runs."""
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -102,7 +103,47 @@ def test_a_sweep_archives_each_run_as_it_ends_and_trains_no_archived_run_again(
     assert [r["status"] for r in rows] == ["done", "done", "nonfinite", "done"]
     assert [bool(r.get("archived")) for r in rows] == [True, True, True, False]
     assert rows[0]["final_train_loss"] == entries[specs[0].run_id]["result"]["final_train_loss"]
+    # a directory holding a result of another config does not hide the archived run
+    stale = sweep.build_config(base, specs[0], {"train.steps": "5"})
+    shutil.rmtree(second[0], ignore_errors=True)
+    run_record.run_once(stale, second[0], train_fn=RecordingTrainer())
+    rows = sweep_summary.write_summary(base, specs, str(tmp_path / "second"), {"steps": "4"},
+                                       second, archived_runs(archive, configs))
+    assert (rows[0]["status"], rows[0].get("archived")) == ("done", True)
     # A run finished before the archive was given is recorded by ``archive_finished``.
     os.remove(archive_path(archive, specs[0].run_id))
     assert archive_finished(archive, [s.run_id for s in specs], configs, first) == 1
     assert archived_runs(archive, configs)[0]["run_id"] == specs[0].run_id
+
+
+def test_a_record_of_another_config_under_the_same_id_is_never_overwritten(tmp_path):
+    config, other = base_config(), base_config()
+    other.train.steps = 20  # e.g. the same plan under --override train.steps=20
+    finished_run(tmp_path / "run", config)
+    finished_run(tmp_path / "smoke", other)
+    archive = str(tmp_path / "archive")
+    archive_run(archive, "post_seed0", str(tmp_path / "run"))
+    with pytest.raises(ArchiveError, match="another config under the id post_seed0"):
+        archive_run(archive, "post_seed0", str(tmp_path / "smoke"))
+    spec = sweep.RunSpec("post_seed0", (("seed", 0),))
+    with pytest.raises(ArchiveError, match="an archive of its own"):  # before training
+        sweep_runner.run_sweep([spec], [other], [str(tmp_path / "new")], archive=archive)
+    assert read_archive(archive)[0]["result"]["config_digest"] == config_digest(config)
+
+
+def test_a_record_without_measures_is_measured_again_once_its_run_is_at_hand(
+        tmp_path, monkeypatch):
+    config = base_config()
+    finished_run(tmp_path / "run", config)
+    monkeypatch.setattr(sweep_archive, "is_finished", lambda workdir, config: True)
+    archive = str(tmp_path / "archive")
+    archive_run(archive, "r", str(tmp_path / "run"))  # archived by a sweep without measures
+
+    def measure(workdir):
+        return {"fresh_batches": 512}
+
+    args = (archive, ["r"], [config], [str(tmp_path / "run")], measure)
+    assert archive_finished(*args) == 1
+    assert read_archive(archive)[0]["measures"] == {"fresh_batches": 512}
+    assert archive_finished(*args) == 0
+    assert archive_finished(*args, lambda m: m["fresh_batches"] != 64) == 1  # stale measures

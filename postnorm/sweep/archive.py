@@ -38,6 +38,7 @@ def archive_run(archive_dir: str, run_id: str, workdir: str,
     result = read_result(workdir)
     if result is None or result["status"] not in FINAL:
         raise ArchiveError(f"{workdir} holds no finished run to archive")
+    check_id_free(archive_dir, run_id, {result["config_digest"]})
     entry = {"run_id": run_id, "config": read_run_config(workdir),
              "result": {k: v for k, v in result.items() if k != "workdir"},
              "measures": measures, "archived_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -46,31 +47,40 @@ def archive_run(archive_dir: str, run_id: str, workdir: str,
     return entry
 
 
+def check_id_free(archive_dir: str, run_id: str, digests: set[str]) -> None:
+    """Refuses (``ArchiveError``) when ``run_id``'s record in ``archive_dir`` holds a run of
+    another config than ``digests`` allow: run ids name only what a plan varies, so a run of
+    the same id under ``--override`` would overwrite a committed record."""
+    path = archive_path(archive_dir, run_id)
+    if os.path.exists(path) and read_entry(path)["result"]["config_digest"] not in digests:
+        raise ArchiveError(f"{path} records a run of another config under the id {run_id}: "
+                           "give this plan (with its --override) an archive of its own")
+
+
+def read_entry(path: str) -> dict:
+    """The record at ``path``; a file that is not a record raises ``ArchiveError`` naming it."""
+    try:
+        with open(path) as f:
+            entry = from_text(json.load(f))
+    except (OSError, ValueError) as err:
+        raise ArchiveError(f"{path} cannot be read ({err}): restore it from git, or delete "
+                           "it and the run trains again") from err
+    if (not isinstance(entry, dict) or not isinstance(entry.get("config"), dict)
+            or not isinstance(entry.get("result"), dict)
+            or entry["result"].get("status") not in FINAL
+            or "config_digest" not in entry["result"]):
+        raise ArchiveError(f"{path} is not a run's record (config, and a result with a "
+                           f"status of {' or '.join(FINAL)} and a config digest): restore "
+                           "it from git, or delete it and the run trains again")
+    return entry
+
+
 def read_archive(archive_dir: str) -> list[dict]:
-    """Every record in ``archive_dir`` (none when it does not exist); a file that is not a
-    record raises ``ArchiveError`` naming it."""
+    """Every record in ``archive_dir`` (none when it does not exist)."""
     if not os.path.isdir(archive_dir):
         return []
-    entries = []
-    for name in sorted(os.listdir(archive_dir)):
-        if not name.endswith(".json"):
-            continue
-        path = os.path.join(archive_dir, name)
-        try:
-            with open(path) as f:
-                entry = from_text(json.load(f))
-        except (OSError, ValueError) as err:
-            raise ArchiveError(f"{path} cannot be read ({err}): restore it from git, or delete "
-                               "it and the run trains again") from err
-        if (not isinstance(entry, dict) or not isinstance(entry.get("config"), dict)
-                or not isinstance(entry.get("result"), dict)
-                or entry["result"].get("status") not in FINAL
-                or "config_digest" not in entry["result"]):
-            raise ArchiveError(f"{path} is not a run's record (config, and a result with a "
-                               f"status of {' or '.join(FINAL)} and a config digest): restore "
-                               "it from git, or delete it and the run trains again")
-        entries.append(entry)
-    return entries
+    return [read_entry(os.path.join(archive_dir, name))
+            for name in sorted(os.listdir(archive_dir)) if name.endswith(".json")]
 
 
 def archived_runs(archive_dir: str | None,
@@ -98,16 +108,23 @@ def run_and_archive(archive_dir: str, measure: Measure | None,
 
 def archive_finished(archive_dir: str, run_ids: list[str],
                      configs: list[ml_collections.ConfigDict], workdirs: list[str],
-                     measure: Measure | None = None) -> int:
+                     measure: Measure | None = None,
+                     stale: Callable[[dict], bool] | None = None) -> int:
     """Record in ``archive_dir`` every run finished in its workdir and not recorded there yet
-    (one trained before the archive was given); returns how many it recorded."""
+    (one trained before the archive was given), and record again a ``done`` one whose
+    record's measures are missing or ``stale(measures)``; returns how many it recorded."""
     archived = archived_runs(archive_dir, configs)
     count = 0
     for run_id, config, workdir, entry in zip(run_ids, configs, workdirs, archived,
                                               strict=True):
-        if entry is None and is_finished(workdir, config):
-            done = read_result(workdir)["status"] == "done"
-            archive_run(archive_dir, run_id, workdir,
+        if not is_finished(workdir, config):
+            continue
+        done = read_result(workdir)["status"] == "done"
+        measures = (entry or {}).get("measures")
+        remeasure = (done and measure is not None
+                     and (measures is None or (stale is not None and stale(measures))))
+        if entry is None or remeasure:
+            archive_run(archive_dir, (entry or {}).get("run_id", run_id), workdir,
                         measure(workdir) if measure is not None and done else None)
             count += 1
     return count

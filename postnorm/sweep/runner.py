@@ -12,9 +12,9 @@ from absl import logging
 from postnorm.config import ConfigError, config_data, config_digest
 from postnorm.config.args import ConfigArgError
 from postnorm.data import DataError, load_data
-from postnorm.sweep.archive import Measure, archived_runs, run_and_archive
+from postnorm.sweep.archive import Measure, archived_runs, check_id_free, run_and_archive
 from postnorm.sweep.plan import RunSpec, SweepError, build_config
-from postnorm.sweep.record import is_finished, run_logged
+from postnorm.sweep.record import is_finished, planned_digests, run_logged
 from postnorm.sweep.workers import run_pinned
 from postnorm.train.validate import check_config
 from postnorm.workdir.config_record import (
@@ -103,6 +103,9 @@ def run_sweep(specs: list[RunSpec], configs: list[ml_collections.ConfigDict],
     With ``archive`` (``postnorm.sweep.archive``), a run recorded there is not trained, and each
     run that ends is recorded there (with ``measure(workdir)`` when it ended ``done``)."""
     archived = archived_runs(archive, configs)
+    for spec, config, entry in zip(specs, configs, archived, strict=True):
+        if archive is not None and entry is None:  # before any run trains
+            check_id_free(archive, spec.run_id, planned_digests(config))
     jobs = []
     for number, (spec, config, workdir, entry) in enumerate(
             zip(specs, configs, workdirs, archived, strict=True), 1):

@@ -135,9 +135,9 @@ def write_summary(base_config: str, specs: list[RunSpec], out_dir: str,
                   extra: dict[str, str], workdirs: list[str] | None = None,
                   archived: list[dict | None] | None = None) -> list[dict]:
     """Table (JSON, markdown) and map of every run of the plan found finished in ``out_dir``
-    (in ``workdirs``, default ``run_workdirs``) or, where its directory holds no result, in
-    ``archived`` (per run, its archive record or None: ``archive.archived_runs``); such rows
-    have ``archived`` true.
+    (in ``workdirs``, default ``run_workdirs``) or, where its directory holds no result of the
+    planned config, in ``archived`` (per run, its archive record or None:
+    ``archive.archived_runs``); such rows have ``archived`` true.
 
     Each row reports the sweep's fields, the ``--override`` fields (``extra``) and the map's
     axes as the run's own config.json has them (as planned for runs not started)."""
@@ -149,12 +149,13 @@ def write_summary(base_config: str, specs: list[RunSpec], out_dir: str,
     rows = []
     for spec, planned, workdir, entry in zip(specs, configs, workdirs, archived, strict=True):
         result = read_result(workdir)
-        if result is None and entry is not None:
-            rows.append({**table_row(spec, entry["config"], entry["result"], fields,
-                                     planned_digests(planned)), "archived": True})
+        digests = planned_digests(planned)
+        if entry is not None and (result is None or result["config_digest"] not in digests):
+            rows.append({**table_row(spec, entry["config"], entry["result"], fields, digests),
+                         "archived": True})
         else:
             config = recorded_or_planned_config(workdir, planned)
-            rows.append(table_row(spec, config, result, fields, planned_digests(planned)))
+            rows.append(table_row(spec, config, result, fields, digests))
         rows[-1]["workdir"] = os.path.relpath(workdir, out_dir)
     keys = [k for k in fields if len({str(row[k]) for row in rows}) > 1]
     write_json_atomic(os.path.join(out_dir, "summary.json"), rows)
