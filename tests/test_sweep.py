@@ -57,6 +57,16 @@ def test_shards_partition_the_plan():
             sweep.parse_shard(bad)
 
 
+def test_a_sweep_files_run_name_gives_the_ids_made_safe_and_unique():
+    grid = [{"opt.lr": 1e-3, "seed": 0}, {"opt.lr": 1e-3, "seed": 1}]
+    specs = sweep.plan(grid, lambda o: f"lr {o['opt.lr']}/{o['seed']}")
+    assert [s.run_id for s in specs] == ["lr-0.001-0", "lr-0.001-1"]
+    with pytest.raises(ValueError, match="repeats"):
+        sweep.plan(grid, lambda o: "same")
+    _, blocked = sweep.plan_file("configs/sweeps/leaderboard.py:blocked")
+    assert blocked[0].run_id == "post_layers48_lr0.003_warmup20_seed0_blocked"
+
+
 def test_plan_rejects_uneven_entries_and_repeats():
     with pytest.raises(ValueError, match="same keys"):
         sweep.plan([{"opt.lr": 1e-3}, {"model.n_layers": 2}])
@@ -525,15 +535,15 @@ def test_the_sweep_command_refuses_a_bad_sweep_file_in_one_line(tmp_path, sweep_
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("sweep_file,runs", [("configs/sweeps/leaderboard.py", 84),
+@pytest.mark.parametrize("sweep_file,runs", [("configs/sweeps/leaderboard.py", 108),
                                              ("configs/sweeps/training_methods.py", 30)])
 def test_the_committed_method_sweeps_pass_the_check_before_any_run(sweep_file, runs):
     base, specs = sweep.plan_file(sweep_file)
     assert len(sweep_runner.planned_configs(base, specs, {})) == runs
 
 
-def test_the_leaderboard_grid_holds_the_84_runs_and_gives_each_cell_its_seeds():
-    """The grid variant's configs include every config of the 84-run plan (so runs finished
+def test_the_leaderboard_grid_holds_the_108_runs_and_gives_each_cell_its_seeds():
+    """The grid variant's configs include every config of the 108-run plan (so runs finished
     under either count for both), and each cell has the seeds its docstring states."""
     from configs.sweeps import leaderboard
     from postnorm.config.identity import config_digest
@@ -542,7 +552,10 @@ def test_the_leaderboard_grid_holds_the_84_runs_and_gives_each_cell_its_seeds():
     grid_digests = {config_digest(c) for c in sweep_runner.planned_configs(base, grid, {})}
     core_digests = {config_digest(c) for c in sweep_runner.planned_configs(
         *sweep.plan_file("configs/sweeps/leaderboard.py"), {})}
-    assert len(grid) == len(grid_digests) == 200 and core_digests <= grid_digests
+    assert len(grid) == len(grid_digests) == 225 and core_digests <= grid_digests
+    core_ids = {s.run_id for s in sweep.plan_file("configs/sweeps/leaderboard.py")[1]}
+    assert core_ids <= {s.run_id for s in grid}  # a run keeps its id (and archive record)
+    assert "post_grad_repair_layers96_lr0.001_warmup20_seed0" in {s.run_id for s in grid}
     seeds = {}
     for spec in grid:
         o = dict(spec.overrides)

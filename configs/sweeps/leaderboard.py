@@ -1,21 +1,26 @@
 """The collapse leaderboard: every method that may prevent Post-Norm's collapse, on the default CPU
 config (48 layers, d=64, d_ff=192, n=128, batch 16, embedded corpus, 300 steps) at the two peak
-learning rates where Post-Norm collapses (1e-3 and 3e-3), three seeds each (docs/METHODS.md).
+learning rates where Post-Norm collapses (1e-3 and 3e-3), three seeds each (docs/METHODS.md):
+the arrangements, the initialisation and the residual budget (14 entries of ``METHODS``), and the
+training-time methods, gradient repair, the frequency-loss regulariser, the z-loss and the
+monitor's rollback (4 more), 108 runs.
 
     python -m experiments.leaderboard --out_dir runs/leaderboard --archive docs/leaderboard/runs \\
         --workers 2   # trains, measures and tabulates; docs/LEADERBOARD.md
 
 The plan runs seed 0 of every method first, then seed 1, then seed 2, so a partial sweep already
-compares every method. Variant ``blocked``: every method once (lr 3e-3, seed 0) with the blocked
-attention kernel, the check that each trains without a non-finite step on both kernels.
+compares every method. A run's id names its method and cell (``run_name``). Variant ``blocked``:
+every method once (lr 3e-3, seed 0) with the blocked attention kernel, the check that each trains
+without a non-finite step on both kernels.
 
 Variant ``grid``: the leaderboard's full grid, depth {12, 24, 48} x lr {1e-3, 3e-3} x warmup
-{20, 100} steps, plus 96 layers, sized to about 9 hours of the 2-core host beyond the 84 runs
+{20, 100} steps, plus 96 layers, sized to about 9 hours of the 2-core host beyond the 108 runs
 above (which it contains; a run is found by its config, so runs finished under either plan
 count for both). Measured one-worker times at 300 steps: about 14 min at 48 layers (650-910 s),
 so about 7 at 24, 3.5 at 12 and 28 at 96. What it runs, and what it cuts:
 
-* every method at 48 layers, warmup 20, both lrs, 3 seeds (the 84 runs; about 10 h on its own);
+* every method at 48 layers, warmup 20, both lrs, 3 seeds (the 108 runs; about 13 h on their
+  own);
 * depth 12 and 24 at warmup 20 for post, pre and ``BEST`` only: 3 seeds where Post-Norm
   collapses, (24, 3e-3), and next to one, (24, 1e-3) and (12, 3e-3); 1 seed at (12, 1e-3)
   (the stability map, docs/RESULTS.md);
@@ -25,11 +30,14 @@ so about 7 at 24, 3.5 at 12 and 28 at 96. What it runs, and what it cuts:
 * 96 layers at lr 1e-3, warmup 20, 1 seed: post, pre and the methods that claim depth
   (``DEPTH_METHODS``).
 
-That is 50 + 60 + 6 runs, about 1,080 worker-minutes, 9 h with ``--workers 2``. A host with more
+That is 50 + 60 + 7 runs, about 1,110 worker-minutes, 9 h with ``--workers 2``. A host with more
 cores runs the whole grid, or shards it with ``--shard i/n``. ``BEST`` are the three methods
-that did not collapse at either learning rate in seed 0 of the 84-run plan, before the paper's
-improvements had finished (docs/METHODS.md); revise it when the 84 runs are in.
+that did not collapse at either learning rate in seed 0 of an earlier run of the arrangements,
+before the paper's improvements had finished (docs/METHODS.md); revise it when the 108 runs are
+in.
 """
+
+from configs.default import get_config
 
 BASE_CONFIG = "configs/default.py"
 
@@ -49,16 +57,24 @@ METHODS: dict[str, dict[str, object]] = {
     "adaptive": {"model.norm": "adaptive"},
     "adaptive_fixed_half": {"model.norm": "adaptive", "model.adaptive_initial_mix": 0.5,
                             "train.placement_controller": False},
+    # the training-time methods (configs/sweeps/training_methods.py studies each further)
+    "post_grad_repair": {"model.norm": "post", "train.grad_repair": True},
+    "post_diversity": {"model.norm": "post", "opt.diversity_weight": 0.1},
+    "post_z_loss": {"model.norm": "post", "opt.z_loss": 1e-4},
+    "post_monitor_rollback": {"model.norm": "post", "monitor.action": "lr_scale",
+                              "monitor.rollback": True, "train.ckpt_every": 10},
 }
 # Every field a method sets, at its default elsewhere, so that each run id names its method.
 METHOD_FIELDS = {"model.norm": "post", "model.b2t_rescaled_init": False, "model.qk_norm": False,
                  "model.init_tsim_target": 0.0, "model.residual_budget": "none",
-                 "model.adaptive_initial_mix": 1.0, "train.placement_controller": True}
+                 "model.adaptive_initial_mix": 1.0, "train.placement_controller": True,
+                 "train.grad_repair": False, "opt.diversity_weight": 0.0, "opt.z_loss": 0.0,
+                 "monitor.action": "none", "monitor.rollback": False, "train.ckpt_every": 100}
 LRS = (1e-3, 3e-3)
 SEEDS = (0, 1, 2)
 WARMUPS = (20, 100)  # short (the default config's) and long, in steps of the 300
 BEST = ("mixln", "periln", "sandwich")
-DEPTH_METHODS = ("post", "pre", "deepnorm", "mixln", "b2t", "adaptive")
+DEPTH_METHODS = ("post", "pre", "deepnorm", "mixln", "b2t", "adaptive", "post_grad_repair")
 # (layers, lr) cells of warmup 20 with 3 seeds: where Post-Norm collapses or next to one
 THREE_SEED_CELLS = {(48, 1e-3), (48, 3e-3), (24, 1e-3), (24, 3e-3), (12, 3e-3)}
 
@@ -83,6 +99,17 @@ def method_label(config: dict) -> str:
         return method_of(fields)
     except ValueError:
         return config["model"]["norm"]
+
+
+def run_name(overrides: dict[str, object]) -> str:
+    """A run's id: its method and cell, e.g. ``post_layers48_lr0.001_warmup20_seed0`` (the
+    same under the 108-run plan and the grid, so a run's archive record keeps its name)."""
+    base = get_config()
+    return (f"{method_of(overrides)}_layers{overrides.get('model.n_layers', base.model.n_layers)}"
+            f"_lr{overrides['opt.lr']!r}"
+            f"_warmup{overrides.get('opt.warmup_steps', base.opt.warmup_steps)}"
+            f"_seed{overrides['seed']}"
+            + (f"_{overrides['model.attention']}" if "model.attention" in overrides else ""))
 
 
 def _run(method: str, lr: float, seed: int, **extra: object) -> dict[str, object]:

@@ -4,7 +4,7 @@ import dataclasses
 import inspect
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import ml_collections
@@ -72,10 +72,11 @@ def id_keys(grid: list[dict[str, object]]) -> list[str]:
     return varying_keys(grid) or sorted({key for overrides in grid for key in overrides})
 
 
-def plan(grid: list[dict[str, object]]) -> list[RunSpec]:
-    """RunSpecs in grid order; ids name ``id_keys(grid)``. Raises ``SweepError`` for an empty
-    grid, an entry that is not a dict of dotted keys, entries that set different keys, and
-    repeated runs."""
+def plan(grid: list[dict[str, object]],
+         name: Callable[[dict[str, object]], str] | None = None) -> list[RunSpec]:
+    """RunSpecs in grid order; ids name ``id_keys(grid)``, or are ``name(overrides)`` (a sweep
+    file's ``run_name``) when given. Raises ``SweepError`` for an empty grid, an entry that is
+    not a dict of dotted keys, entries that set different keys, and repeated runs."""
     if not isinstance(grid, list | tuple) or not grid:
         raise SweepError(f"get_sweep returned {grid!r}: it must return a non-empty list of "
                          "dicts, one {dotted config key: value} per run")
@@ -90,7 +91,8 @@ def plan(grid: list[dict[str, object]]) -> list[RunSpec]:
             raise SweepError(f"sweep entry {index} sets {sorted(overrides)}, others set {keys}: "
                              "every entry must set the same keys")
     named = id_keys(grid)
-    specs = [RunSpec(run_id(o, named), tuple((k, o[k]) for k in keys)) for o in grid]
+    specs = [RunSpec(_UNSAFE.sub("-", name(o)) if name else run_id(o, named),
+                     tuple((k, o[k]) for k in keys)) for o in grid]
     ids = [s.run_id for s in specs]
     if len(set(ids)) != len(ids):
         raise SweepError(
@@ -119,7 +121,7 @@ def plan_file(sweep_arg: str) -> tuple[str, list[RunSpec]]:
         raise SweepError(f"{path}: get_sweep cannot take the sweep's argument ({err}); define "
                          "it as get_sweep(arg=None)") from err
     try:
-        return base, plan(module.get_sweep(arg))
+        return base, plan(module.get_sweep(arg), getattr(module, "run_name", None))
     except ValueError as err:  # SweepError, or get_sweep's own (an unknown variant)
         raise SweepError(f"{sweep_arg}: {err}") from err
 
