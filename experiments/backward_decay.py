@@ -54,8 +54,11 @@ class NoRunsError(UserError):
 
 
 def quantiles(values: np.ndarray) -> dict[str, float]:
-    """The 5th, 50th and 95th percentiles."""
-    return {f"p{q}": float(np.percentile(values, q)) for q in (5, 50, 95)}
+    """The 5th, 50th and 95th percentiles of the finite values (NaN: a ratio unknown because a
+    gradient underflowed to 0)."""
+    finite = values[np.isfinite(values)]
+    return {f"p{q}": float(np.percentile(finite, q)) if finite.size else float("nan")
+            for q in (5, 50, 95)}
 
 
 def run_record(workdir: str) -> dict:
@@ -74,6 +77,8 @@ def run_record(workdir: str) -> dict:
         "collapsed": detect_collapse(records).collapsed,
         "steps": series.steps.tolist(),
         "rate": [f.rate for f in fits], "rate_stderr": [f.rate_stderr for f in fits],
+        # sublayers whose ||dL/dX_k|| is exactly 0 (underflowed float32), left out of the fit
+        "vanished": [f.vanished for f in fits],
         "ratio_geomean": backward.geometric_mean(ratios).tolist(),
         "c_geomean": backward.geometric_mean(series.contraction).tolist(),
         "ratios_last": ratios[:, -1].tolist(), "c_last": series.contraction[:, -1].tolist(),
@@ -128,12 +133,13 @@ def markdown(rows: list[dict], settings: list[dict]) -> str:
     lines = ["## Per run, at the last diagnostic step", ""]
     lines += markdown_table(
         ["norm", "layers", "lr", "seed", "collapsed", "decay rate per sublayer (± s.e.)",
-         "geo. mean r_k", "geo. mean c_k", "r_k: median [5%, 95%], all steps",
+         "sublayers at ‖dL/dX‖ = 0 (left out)", "geo. mean r_k", "geo. mean c_k",
+         "r_k: median [5%, 95%], all steps",
          "r_k / c_k: median [5%, 95%]", "‖dL/dX_0‖ / ‖dL/dX_2L‖", "layers tsim ≥ 0.99",
          "attn grad: those layers / others", "the same layers in the other placement",
          "FFN grad: those / others", "the same, other placement"],
         [[r["norm"], str(r["n_layers"]), cell(r["lr"]), str(r["seed"]), cell(r["collapsed"]),
-          f"{r['rate'][-1]:.4f} ± {r['rate_stderr'][-1]:.4f}",
+          f"{r['rate'][-1]:.4f} ± {r['rate_stderr'][-1]:.4f}", str(r["vanished"][-1]),
           f"{r['ratio_geomean'][-1]:.4f}", f"{r['c_geomean'][-1]:.4f}",
           _quantile_cell(r["ratio_quantiles"]), _quantile_cell(r["ratio_over_c_quantiles"]),
           f"{r['dldx_last'][0] / r['dldx_last'][-1]:.3g}",

@@ -55,6 +55,21 @@ def test_a_geometric_profile_gives_its_rate_and_noise_gives_its_standard_error()
     assert np.mean([f.rate_stderr for f in slopes]) == pytest.approx(rates.std(), rel=0.15)
 
 
+def test_gradients_that_underflowed_to_zero_are_left_out_of_the_fit_and_the_ratios():
+    """At the paper's width a collapsed Post-Norm run's early taps are exactly 0 in float32:
+    the fit uses the sublayers above them, and a ratio with a 0 is unknown, not 0 or inf."""
+    g_K = 0.5 ** -np.arange(12.0)  # grows by 2 per sublayer toward the output
+    g_K[:4] = 0.0
+    fit = backward.fit_decay(g_K)
+    assert (fit.rate, fit.sublayers, fit.vanished) == (pytest.approx(0.5), 8, 4)
+    assert np.isnan(backward.fit_decay(np.array([0.0, 0.0, 1.0, 2.0])).rate)  # 2 points
+    series = backward.SublayerSeries(np.array([1]), g_K[:, None], np.ones((11, 1)))
+    ratios = series.ratios()[:, 0]
+    assert np.isnan(ratios[:4]).all() and ratios[4:] == pytest.approx(0.5)
+    assert backward.geometric_mean(ratios) == pytest.approx(0.5)
+    assert np.isnan(backward.geometric_mean(np.array([np.nan, np.nan])))
+
+
 def test_gradients_by_similarity_split_the_layers_and_read_the_reference_there():
     run = {"tsim": np.array([0.2, 0.995, 0.99, 0.5]), "attn": np.array([1.0, 2.0, 4.0, 3.0]),
            "ffn": np.array([5.0, 6.0, 8.0, 7.0])}

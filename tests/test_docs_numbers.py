@@ -164,3 +164,41 @@ def test_the_committed_leaderboard_is_its_archive_tabulated(tmp_path):
         assert board["costs"][method]["step_time_vs_post"] == pytest.approx(
             (ratios[0] * ratios[1]) ** 0.5, rel=1e-12)
     assert "b2t_rescaled" not in board["costs"]  # not benchmarked: no cost shown
+
+
+def test_the_paper_width_section_matches_its_outputs():
+    """docs/RESULTS.md's paper-width section, from docs/figures/paper_width48."""
+    figures = REPO / "docs" / "figures" / "paper_width48"
+    summary = json.loads((figures / "summary.json").read_text())
+    runs = {r["run"]: r for r in summary["runs"]}
+    thm38 = {r["run"]: r for r in summary["thm38"]}
+    post, pre = runs["post_seed0"], runs["pre_seed0"]
+    assert (post["collapsed"], post["collapse_step"], post["window"]) == (True, 290, [10, 290])
+    assert not pre["collapsed"]
+    doc = (REPO / "docs" / "RESULTS.md").read_text()
+    rows = {name: next(line for line in doc.splitlines()
+                       if line.startswith(f"| {name}, seed 0 | {r['loss_over_lfreq']:.3f} |"))
+            for name, r in (("post", post), ("pre", pre))}
+    for name, run in (("post", post), ("pre", pre)):
+        t = thm38[f"{name}_seed0"]
+        assert (f"| **{t['next_loss_over_lfreq']:.3f}** | {t['next_loss_over_floor']:.3f} | "
+                f"{run['eval_loss_over_floor']:.3f} | "
+                f"{run['fraction_tsim_ge_0.99_final']:.0%} |") in rows[name]
+        assert t["bound_holds_fraction"] == 1.0
+    early = post["grad_ratio_early"]
+    assert (f"{min(early):.1e}–{max(early):.1e}× down | {post['grad_ratio_last']:.0f}× down"
+            .replace("e+", "e")) in rows["post"]
+    assert f"**{post['train_wall_s']:,.0f} s (Post) and {pre['train_wall_s']:,.0f} s (Pre)**" \
+        in doc
+    assert f"{summary['wall']['invocation_s']:,.0f} s for the whole invocation" in doc
+    decay = {r["method"]: r for r in json.loads(
+        (figures / "backward_decay" / "summary.json").read_text())["runs"]}
+    post_d, pre_d = decay["post"], decay["pre"]
+    assert post_d["vanished"][-1] == 47 and len(post_d["dldx_last"]) == 97
+    assert f"**{post_d['rate'][-1]:.3f} ± {post_d['rate_stderr'][-1]:.3f} per sublayer**" in doc
+    assert f"median of {post_d['ratio_over_c_quantiles']['p50']:.2f}" in doc
+    assert f"decay is {pre_d['rate'][-1]:.3f} ± {pre_d['rate_stderr'][-1]:.3f}" in doc
+    similar = post_d["similarity"]
+    assert similar["similar_layers"] == list(range(8, 48)) and similar["attn_other"] == 0.0
+    assert f"gradients of\n  {similar['attn_similar']:.1e}".replace("e-0", "e-") in doc
+    assert f"ε is {thm38['post_seed0']['mean_eps']:.1e}".replace("e-0", "e-") in doc

@@ -15,6 +15,7 @@ g_k = ||dL/dX_k||_F and the norms give c_k, the mean RMSNorm contraction of subl
 """
 
 import dataclasses
+import warnings
 
 import numpy as np
 
@@ -33,8 +34,11 @@ class SublayerSeries:
     contraction: np.ndarray
 
     def ratios(self) -> np.ndarray:
-        """r_k = g_k / g_{k+1}, [2L, S]."""
-        return self.dldx[:-1] / self.dldx[1:]
+        """r_k = g_k / g_{k+1}, [2L, S]; NaN where either is 0 (a gradient that underflowed
+        float32: the ratio is unknown)."""
+        upper, lower = self.dldx[:-1], self.dldx[1:]
+        known = (upper > 0) & (lower > 0)
+        return np.where(known, upper / np.where(known, lower, 1.0), np.nan)
 
 
 def _interleaved(series: dict, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -67,28 +71,39 @@ def sublayer_series(records: list[dict]) -> SublayerSeries:
 
 @dataclasses.dataclass(frozen=True)
 class DecayFit:
-    """exp(-slope) of log g_k on k: the gradient's factor per sublayer toward the input."""
+    """exp(-slope) of log g_k on k: the gradient's factor per sublayer toward the input, fitted
+    over ``sublayers`` sublayers; ``vanished`` more had g_k = 0 and are left out."""
 
     rate: float
     rate_stderr: float
     sublayers: int
+    vanished: int = 0
 
 
 def fit_decay(dldx_K: np.ndarray) -> DecayFit:
-    """Ordinary least squares of log g_k on k = 0 .. K-1."""
-    k = np.arange(len(dldx_K), dtype=np.float64)
-    y = np.log(np.asarray(dldx_K, np.float64))
+    """Ordinary least squares of log g_k on k = 0 .. K-1, over the sublayers with g_k > 0 (a
+    gradient that underflowed float32 to 0 has no logarithm); NaN with fewer than 3."""
+    g_K = np.asarray(dldx_K, np.float64)
+    keep = g_K > 0
+    vanished = int(np.sum(g_K == 0))
+    k, y = np.arange(len(g_K), dtype=np.float64)[keep], np.log(g_K[keep])
+    if len(k) < 3:
+        return DecayFit(float("nan"), float("nan"), len(k), vanished)
     slope, intercept = np.polyfit(k, y, 1)
     fitted = slope * k + intercept
-    dof = len(k) - 2
-    sigma2 = float(np.sum((y - fitted) ** 2)) / dof if dof > 0 else float("nan")
+    sigma2 = float(np.sum((y - fitted) ** 2)) / (len(k) - 2)
     slope_se = np.sqrt(sigma2 / np.sum((k - k.mean()) ** 2))
     rate = float(np.exp(-slope))
-    return DecayFit(rate=rate, rate_stderr=float(rate * slope_se), sublayers=len(k))
+    return DecayFit(rate=rate, rate_stderr=float(rate * slope_se), sublayers=len(k),
+                    vanished=vanished)
 
 
 def geometric_mean(values: np.ndarray, axis: int = 0) -> np.ndarray:
-    return np.exp(np.mean(np.log(values), axis=axis))
+    """Over the finite values (NaN where there are none)."""
+    with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN slice's mean is NaN
+        logs = np.log(values)
+        return np.exp(np.nanmean(np.where(np.isfinite(logs), logs, np.nan), axis=axis))
 
 
 def layer_grads_at(records: list[dict], step: int) -> dict[str, np.ndarray]:
