@@ -265,9 +265,9 @@ def markdown(entries: list[dict], fresh_batches: int) -> str:
              f"{e['collapsed']}/{e['done']}", _mean_sd(e["fresh_loss_over_lfreq"]),
              cell(e["gap_to_pre"], "+.3f"), cell(e["gap_to_post"], "+.3f"),
              cell(e["min_c"], ".3f"),
-             cell([float(v) for v in e["dldx_first_over_last_early"]], ".3g"),
-             cell([float(v) for v in e["update_norm_early"]], ".3g"),
-             cell([int(v) for v in e["warn_lead"]]), str(e["false_alarms"]),
+             cell([float(v) for v in e["dldx_first_over_last_early"]] or None, ".3g"),
+             cell([float(v) for v in e["update_norm_early"]] or None, ".3g"),
+             cell([int(v) for v in e["warn_lead"]] or None), str(e["false_alarms"]),
              cell(float(np.mean(e["wall_s"])) if e["wall_s"] else None, ".0f"),
              cell(e["step_time_vs_post"], ".3f"), cell(e["peak_memory_vs_post"], ".4f")]
             for e in entries]
