@@ -234,11 +234,12 @@ def aggregate(rows: list[dict], costs: dict[str, dict] | None = None) -> list[di
                            if fresh(done) and fresh(pre) else None),
             "gap_to_post": (float(np.mean(fresh(done)) - np.mean(fresh(post)))
                             if post_safe and fresh(done) and fresh(post) else None),
-            "min_c": min((r["min_c"] for r in done if "min_c" in r), default=None),
+            "min_c": min((r["min_c"] for r in done if r.get("min_c") is not None),
+                         default=None),
             "dldx_first_over_last_early": [r["dldx_first_over_last_early"] for r in done
-                                           if "dldx_first_over_last_early" in r],
+                                           if r.get("dldx_first_over_last_early") is not None],
             "update_norm_early": [r["update_norm_early"] for r in done
-                                  if "update_norm_early" in r],
+                                  if r.get("update_norm_early") is not None],
             "warn_lead": leads,
             "false_alarms": sum(bool(r.get("false_alarm")) for r in done),
             "wall_s": [r["wall_s"] for r in done if r.get("wall_s")],
