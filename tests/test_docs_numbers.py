@@ -164,6 +164,15 @@ def test_the_committed_leaderboard_is_its_archive_tabulated(tmp_path):
         assert board["costs"][method]["step_time_vs_post"] == pytest.approx(
             (ratios[0] * ratios[1]) ** 0.5, rel=1e-12)
     assert "b2t_rescaled" not in board["costs"]  # not benchmarked: no cost shown
+    # the prose's figures, from the runs' rows
+    row = {(r["method"], r["lr"], r["seed"]): r
+           for r in runs if r["status"] == "done"}
+    adaptive = [row[("adaptive", lr, 0)]["fresh_loss_over_lfreq"] for lr in (1e-3, 3e-3)]
+    pre = [row[("pre", lr, 0)]["fresh_loss_over_lfreq"] for lr in (1e-3, 3e-3)]
+    assert f"**{adaptive[0]:.3f} and {adaptive[1]:.3f} × L_freq**" in doc
+    assert f"That is {adaptive[0] - pre[0]:.3f} and {adaptive[1] - pre[1]:.3f} above" in doc
+    scale = row[("post_budget_scale", 1e-3, 0)]
+    assert f"min c at **{scale['min_c']:.7f}**" in doc and not scale["collapsed"]
 
 
 def test_the_paper_width_section_matches_its_outputs():
