@@ -101,9 +101,13 @@ def run_and_archive(archive_dir: str, measure: Measure | None,
     """``record.run_logged``, then the run's record into ``archive_dir``, with
     ``measure(workdir)`` of a run that ended ``done``; returns the run's status."""
     status = run_logged(config, workdir, label)
-    archive_run(archive_dir, run_id, workdir,
-                measure(workdir) if measure is not None and status == "done" else None)
+    archive_run(archive_dir, run_id, workdir, _measures(measure, workdir, status))
     return status
+
+
+def _measures(measure: Measure | None, workdir: str, status: str) -> dict | None:
+    """``measure(workdir)`` of a run that ended ``done``; None otherwise or without one."""
+    return measure(workdir) if measure is not None and status == "done" else None
 
 
 def archive_finished(archive_dir: str, run_ids: list[str],
@@ -119,12 +123,12 @@ def archive_finished(archive_dir: str, run_ids: list[str],
                                               strict=True):
         if not is_finished(workdir, config):
             continue
-        done = read_result(workdir)["status"] == "done"
+        status = read_result(workdir)["status"]
         measures = (entry or {}).get("measures")
-        remeasure = (done and measure is not None
+        remeasure = (status == "done" and measure is not None
                      and (measures is None or (stale is not None and stale(measures))))
         if entry is None or remeasure:
             archive_run(archive_dir, (entry or {}).get("run_id", run_id), workdir,
-                        measure(workdir) if measure is not None and done else None)
+                        _measures(measure, workdir, status))
             count += 1
     return count
