@@ -69,9 +69,13 @@ def preempted_or_square(x: int) -> int:
 
 def watched_job(index: int, directory: str) -> int:
     """Runs in a worker: a stand-in for a training run, stepping until its PreemptionWatch
-    says stop (then raising Preempted, as the trainer does) or two minutes pass."""
-    Path(directory, f"started_{index}").write_text(str(os.getpid()))
+    says stop (then raising Preempted, as the trainer does) or two minutes pass. It announces
+    itself only once its watch is installed, and atomically (the test reads the pid file as soon
+    as it appears)."""
     watch = PreemptionWatch(0)
+    announcement = Path(directory, f".started_{index}.tmp")
+    announcement.write_text(str(os.getpid()))
+    announcement.rename(Path(directory, f"started_{index}"))
     try:
         for step in range(2400):
             if watch.should_stop(step):
