@@ -1,10 +1,13 @@
 """The early-warning monitor's actions: the optimizer transforms that carry them against numpy,
 each change on a train state, and whole runs in which a scripted similarity makes the real
 monitor warn: an action without and with rollback (bounded, recorded), and an exact resume with
-a warning pending at the checkpoint."""
+a warning pending, or after a rollback, killed with SIGKILL and rerun."""
 
 import json
-import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +22,14 @@ from postnorm.train.loop import train_and_evaluate
 from postnorm.train.monitor_actions import apply_change
 from postnorm.train.optim import clip_when_warned, make_optimizer, scale_by_layer
 from postnorm.train.state import GuardedState
-from tests.reliability_helpers import read_records, tiny_config, write_corpus
+from tests.reliability_helpers import (
+    REPO,
+    finalized_steps,
+    read_records,
+    subprocess_env,
+    tiny_config,
+    write_corpus,
+)
 
 
 def test_the_layer_scale_and_the_warned_clip_against_numpy():
@@ -156,38 +166,91 @@ def test_a_rollback_returns_before_the_warn_and_is_bounded_and_recorded(corpus, 
         assert lr == pytest.approx(plain_lrs[step] * (0.25 if step >= 9 else 1.0), rel=1e-6)
 
 
+KILLABLE_RUN = """
+import sys, time, types
+from pathlib import Path
+
+from postnorm.diagnostics import early_warning
+from postnorm.train import reporter
+from postnorm.train.loop import train_and_evaluate
+from tests.test_monitor_actions import killable_config, scripted_similarity
+
+corpus, data_dir, workdir, pause_at = *map(Path, sys.argv[1:4]), int(sys.argv[4])
+scripted_similarity(types.SimpleNamespace(setattr=setattr))
+scripted = early_warning.assess
+
+def assess(step, *args, **kwargs):
+    if step == pause_at:  # hold the run here, mid-step, for the test's kill -9
+        (workdir / "paused").write_text(str(step))
+        time.sleep(600)
+    return scripted(step, *args, **kwargs)
+
+early_warning.assess = reporter.assess = assess
+train_and_evaluate(killable_config(corpus, data_dir), str(workdir))
+"""
+
+
+def killable_config(corpus, data_dir):
+    """20 steps, diagnosed every 3 and checkpointed every 4, logged every 2 (so that the
+    monitor's loss smoothing spans steps a resume must not add to); the scripted similarity
+    watches from step 3 and warns at step 9, which rolls back to step 8 and halves the lr."""
+    return tiny_config(corpus, data_dir, train__steps=20, diag__every=3, train__ckpt_every=4,
+                       train__eval_every=20, train__keep_ckpts=10, train__log_every=2,
+                       monitor__action="lr_scale", monitor__rollback=True, monitor__max_actions=1)
+
+
+def start_killable(corpus, tmp_path, workdir, pause_at: int, log):
+    return subprocess.Popen(
+        [sys.executable, "-c", KILLABLE_RUN, str(corpus), str(tmp_path / "tfds"), str(workdir),
+         str(pause_at)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+        env={**subprocess_env(None), "PYTHONPATH": str(REPO)})
+
+
+def records_of(workdir) -> list[dict]:
+    return [{k: v for k, v in r.items() if k != "train/tokens_per_s"}
+            for r in read_records(workdir)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(corpus, tmp_path_factory):
+    root = tmp_path_factory.mktemp("uninterrupted")
+    with open(root / "log.txt", "w") as log:
+        process = start_killable(corpus, root, root / "run", 0, log)
+        assert process.wait(timeout=600) == 0, (root / "log.txt").read_text()[-3000:]
+    assert [(e["step"], e["rolled_back_to"]) for e in actions_of(root / "run")] == [(9, 8)]
+    return root / "run"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("killed_after", [4, 12])
-def test_a_resume_with_a_warning_pending_or_after_a_rollback_is_exact(corpus, tmp_path,
-                                                                      monkeypatch, killed_after):
-    """Killed after step 4 (its checkpoint holds a watch, two diagnostic steps short of the warn
-    at step 9) or after step 12 (the warn rolled the run back to step 8 and halved its lr), a run
-    resumed from that checkpoint logs and acts exactly as the uninterrupted one."""
-    scripted_similarity(monkeypatch)
-    config = config_for(corpus, tmp_path, action="lr_scale", rollback=True, max_actions=1)
-    # logged every 2 steps, so that the monitor's loss smoothing spans steps a resume must not
-    # add to
-    config.train.steps, config.train.keep_ckpts, config.train.log_every = 16, 10, 2
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    train_and_evaluate(config, str(full))
-    assert [(e["step"], e["rolled_back_to"]) for e in actions_of(full)] == [(9, 8)]
-    (resumed / "checkpoints").mkdir(parents=True)
-    step_dir = str(killed_after)
-    shutil.copytree(full / "checkpoints" / step_dir, resumed / "checkpoints" / step_dir)
-    for name in ("config.json", "metrics.jsonl"):  # as a kill -9 after that step leaves them
-        shutil.copy(full / name, resumed / name)
-    if killed_after == 12:
-        shutil.copy(full / "monitor_actions.json", resumed / "monitor_actions.json")
-    train_and_evaluate(config, str(resumed))
-
-    def records(workdir) -> list[dict]:
-        return [{k: v for k, v in r.items() if k != "train/tokens_per_s"}
-                for r in read_records(workdir)]
-
-    want, got = records(full), records(resumed)
-    assert [r["step"] for r in want if "train/loss" in r] == [1, *range(2, 17, 2)]
+@pytest.mark.parametrize(("pause_at", "resumes_from"), [
+    (6, 4),    # checkpoint 4 holds the watch read at step 3, two diagnostic steps from the warn
+    (15, 12),  # checkpoint 12 came after the warn at 9 rolled back to 8 and halved the lr
+], ids=["warning-pending", "after-rollback"])
+def test_a_run_killed_9_with_a_warning_pending_or_after_a_rollback_resumes_exactly(
+        corpus, tmp_path, uninterrupted, pause_at, resumes_from):
+    """kill -9 in the middle of diagnostic step ``pause_at``, then the same run again: it resumes
+    from checkpoint ``resumes_from`` and logs and acts exactly as the uninterrupted run."""
+    workdir, log_path = tmp_path / "run", tmp_path / "log.txt"
+    with open(log_path, "w") as log:
+        process = start_killable(corpus, tmp_path, workdir, pause_at, log)
+        deadline = time.monotonic() + 600
+        # paused, and the checkpoint before the pause written (its save is asynchronous)
+        while not ((workdir / "paused").exists()
+                   and resumes_from in finalized_steps(workdir)):
+            assert process.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the run never reached its pause"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGKILL)
+        assert process.wait(timeout=60) == -signal.SIGKILL
+    assert max(finalized_steps(workdir)) == resumes_from
+    assert (workdir / "monitor_actions.json").exists() == (resumes_from > 9)
+    with open(log_path, "a") as log:
+        assert start_killable(corpus, tmp_path, workdir, 0, log).wait(timeout=600) == 0, \
+            log_path.read_text()[-3000:]
+    want, got = records_of(uninterrupted), records_of(workdir)
+    assert [r["step"] for r in want if "train/loss" in r] == [1, *range(2, 21, 2)]
     assert got == want
-    assert actions_of(resumed) == actions_of(full)
+    assert actions_of(workdir) == actions_of(uninterrupted)
 
 
 def test_the_record_lists_the_actions_in_effect(tmp_path):
