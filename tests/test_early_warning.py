@@ -1,6 +1,7 @@
 """The collapse early-warning monitor: its levels on synthetic steps with a known answer, the
 rule it shares with the offline detector, its lead time there, the live monitor's rebuild on a
-resume, a training run's logged readings against the replay, and the replay command."""
+resume, a training run's logged readings against the replay, and the replay command, over run
+directories and over a sweep's archive."""
 
 import json
 import subprocess
@@ -11,10 +12,13 @@ import pytest
 
 from postnorm.analysis import collapse as offline
 from postnorm.analysis.collapse import detect_collapse, replay_monitor
+from postnorm.config import base_config
 from postnorm.diagnostics import early_warning
 from postnorm.diagnostics.early_warning import MonitorRule, MonitorState, assess, monitor_rule_from
+from postnorm.files import write_json_atomic
 from postnorm.train.loop import train_and_evaluate
 from postnorm.train.reporter import Monitor
+from postnorm.workdir.config_record import read_run_config, write_run_config
 from postnorm.workdir.metrics import read_metrics
 from tests.reliability_helpers import REPO, tiny_config, write_corpus
 from tests.test_collapse import records
@@ -141,3 +145,66 @@ def test_the_replay_command_prints_each_run_and_the_totals(trained_run, tmp_path
     empty = subprocess.run([sys.executable, "-m", "experiments.early_warning"], cwd=REPO,
                            capture_output=True, text=True, timeout=300)
     assert empty.returncode == 2 and "no run to replay: give --runs" in empty.stderr
+
+
+def synthetic_run(workdir) -> None:
+    """A run directory whose records collapse at step 60 (half the layers alike from step 20,
+    the loss on its floor from 60) and whose replay warns at step 40."""
+    steps = [1, *range(10, 101, 10)]
+    tsim = [[0.1] * 11, [0.2] * 11, [0.2, 0.5] + [0.995] * 9, [0.3, 0.9] + [0.999] * 9]
+    loss = [9.0, 8.0, 7.0, 6.0, 5.5, 5.2, 5.05, 5.02, 5.01, 5.0, 5.0]
+    workdir.mkdir()
+    config = base_config()
+    config.train.steps = 100
+    write_run_config(str(workdir), config)
+    (workdir / "metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in records(steps, tsim, loss)))
+
+
+def test_an_archived_run_reads_as_its_directory_replayed(tmp_path):
+    """The archive's row (the detector's verdict from its result, its first warn from its
+    measures) equals the replay of the run's own records, but for what it does not keep."""
+    from experiments.early_warning import archived_row, run_row
+
+    synthetic_run(tmp_path / "run")
+    replayed = run_row(str(tmp_path / "run"))
+    assert (replayed["collapse_step"], replayed["first_warn"], replayed["lead_steps"],
+            replayed["lead_intervals"]) == (60, 40, 20, 2)
+    entry = {"run_id": "post_seed0", "config": read_run_config(str(tmp_path / "run")),
+             "result": {"status": "done", "config_digest": "d", "collapse": detect_collapse(
+                 read_metrics(str(tmp_path / "run"))).to_json()},
+             "measures": {"first_warn": 40}}
+    archived = archived_row("archive", entry)
+    unkept = ("workdir", "first_watch", "warn_reason")
+    assert {k: v for k, v in archived.items() if k not in unkept} == {
+        k: v for k, v in replayed.items() if k not in unkept}
+    assert archived["workdir"] == "archive/post_seed0.json"
+    quiet = archived_row("archive", {**entry, "measures": {"first_warn": 30},
+                                     "result": {**entry["result"], "collapse": {
+                                         **entry["result"]["collapse"], "collapsed": False,
+                                         "collapse_step": None}}})
+    assert (quiet["false_alarm"], quiet["lead_steps"], quiet["missed"]) == (True, None, False)
+    stopped = archived_row("archive", {**entry, "measures": None,
+                                       "result": {"status": "nonfinite", "config_digest": "d"}})
+    assert not stopped["finished"] and stopped["first_warn"] is None
+
+
+def test_the_replay_command_reads_an_archive_and_refuses_another_rule_on_it(tmp_path):
+    synthetic_run(tmp_path / "run")
+    collapse = detect_collapse(read_metrics(str(tmp_path / "run"))).to_json()
+    (tmp_path / "archive").mkdir()
+    write_json_atomic(str(tmp_path / "archive" / "post_seed0.json"), {
+        "run_id": "post_seed0", "config": read_run_config(str(tmp_path / "run")),
+        "result": {"status": "done", "config_digest": "d", "collapse": collapse},
+        "measures": {"first_warn": 40}})
+    ran = subprocess.run([sys.executable, "-m", "experiments.early_warning",
+                          f"--archive={tmp_path / 'archive'}"], cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+    assert ran.returncode == 0, ran.stderr
+    assert json.loads(ran.stdout.splitlines()[0])["lead_steps"] == 20
+    assert "1 collapsing runs: 1 warned before the collapse step, lead time 20-20" in ran.stdout
+    refused = subprocess.run([sys.executable, "-m", "experiments.early_warning",
+                              f"--archive={tmp_path / 'archive'}", "--warn_persistence=2"],
+                             cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2
+    assert "--warn_persistence and --warn_loss_rtol need the runs' records" in refused.stderr
