@@ -114,19 +114,21 @@ def test_theorem_32_at_the_nominal_s_and_theorem_34_match_the_stage1_outputs():
 
 
 def test_the_stability_map_replay_matches_its_json():
-    rows = [r for r in json.loads((EARLY_WARNING / "replay_stability_partial.json")
-                                  .read_text())["runs"] if r["finished"]]
+    """The 17 cells replayed with the map and its last cell, replayed in a later sitting."""
+    rows = [r for name in ("replay_stability_partial.json", "replay_stability_last_cell.json")
+            for r in json.loads((EARLY_WARNING / name).read_text())["runs"] if r["finished"]]
     collapsing = [r for r in rows if r["collapsed"]]
     quiet = [r for r in rows if not r["collapsed"]]
-    assert (len(rows), len(collapsing), len(quiet)) == (17, 3, 14)
+    assert (len(rows), len(collapsing), len(quiet)) == (18, 3, 15)
+    assert len({(r["method"], r["n_layers"], r["lr"]) for r in rows}) == 18  # the whole grid
     assert {(r["method"], r["n_layers"], r["lr"]) for r in collapsing} == {
         ("post", 24, 3e-3), ("post", 48, 1e-3), ("post", 48, 3e-3)}
     assert sorted(r["lead_steps"] for r in collapsing) == [160, 160, 170]
     assert not any(r["false_alarm"] for r in quiet)
-    assert sum(r["method"] == "pre" for r in quiet) == 8
-    assert sum(r["n_layers"] == 12 for r in quiet) == 5
+    assert sum(r["method"] == "pre" for r in quiet) == 9
+    assert sum(r["n_layers"] == 12 for r in quiet) == 6
     doc = (REPO / "docs" / "DIAGNOSTICS.md").read_text()
-    assert "| 160–170 steps | 0 of 14, among them all 8 Pre-Norm runs and all 5 12-layer runs |" \
+    assert "| 160–170 steps | 0 of 15, among them all 9 Pre-Norm runs and all 6 12-layer runs |" \
         in doc
 
 
