@@ -38,7 +38,10 @@ collapsed (the project's rule), these measures over seeds, the gap of the fresh-
 Pre-Norm's in the same cell, and to Post-Norm's in cells where every Post-Norm seed finished
 and none collapsed. Writes ``leaderboard.json``, ``leaderboard.md``, ``leaderboard.png`` (methods x
 cells, coloured by loss / L_freq, collapses marked, as the stability map) and ``leaderboard.html``
-(the table, each cell linking its runs' reports, which it writes where missing) to --out_dir.
+(the table, each cell linking its runs' reports, which it writes where missing) to --out_dir, and
+``leaderboard_methods.md``, one row per method over the cells where Post-Norm collapses: did it
+prevent the collapse on every run there, how far from Pre-Norm's loss, at what cost
+(``method_verdicts``).
 With ``--archive A`` each run is measured as soon as it ends, in its worker, and its record (its
 config, ``result.json`` and these measures) written to ``A/<run id>.json`` (``postnorm.sweep.
 archive``), as are the finished runs of --out_dir not recorded yet: committed, the archive keeps
@@ -250,6 +253,59 @@ def aggregate(rows: list[dict], costs: dict[str, dict] | None = None) -> list[di
     return out
 
 
+GOAL_GAP = 0.05  # the architecture issue's bar: within this of Pre-Norm's loss / L_freq
+
+
+def method_verdicts(entries: list[dict]) -> list[dict]:
+    """Per method, over the cells where some Post-Norm seed collapsed: its runs there and how
+    they ended, whether it prevented the collapse (``yes``: every planned run done and none
+    collapsed; ``so far``: none of those done collapsed; ``no``: one collapsed or stopped on a
+    non-finite step), its loss / L_freq range and largest gap to Pre-Norm, whether it meets the
+    goal (prevented and every cell within ``GOAL_GAP`` of Pre-Norm), and its cost."""
+    post_collapses = {cell_key(e)[1:] for e in entries if e["method"] == "post" and e["collapsed"]}
+    out = []
+    for method in dict.fromkeys(e["method"] for e in entries):
+        mine = [e for e in entries if e["method"] == method and cell_key(e)[1:] in post_collapses]
+        planned, done = sum(e["planned"] for e in mine), sum(e["done"] for e in mine)
+        collapsed = sum(e["collapsed"] for e in mine)
+        nonfinite = sum(e["status"].get("nonfinite", 0) for e in mine)
+        gaps = [e["gap_to_pre"] for e in mine if e["gap_to_pre"] is not None]
+        losses = [v for e in mine for v in e["fresh_loss_over_lfreq"]]
+        if collapsed or nonfinite:
+            prevented = "no"
+        elif not done:
+            prevented = "–"
+        else:
+            prevented = "yes" if done == planned else "so far"
+        within = None if not gaps else max(gaps) <= GOAL_GAP
+        goal = ("no" if prevented == "no" or within is False else
+                "–" if prevented == "–" or within is None else prevented)
+        costs = next(iter(mine), {})
+        out.append({
+            "method": method, "cells": len(mine), "planned": planned, "done": done,
+            "collapsed": collapsed, "nonfinite": nonfinite, "prevented": prevented,
+            "fresh_loss_over_lfreq_range": [min(losses), max(losses)] if losses else None,
+            "largest_gap_to_pre": max(gaps) if gaps else None, "meets_goal": goal,
+            "step_time_vs_post": costs.get("step_time_vs_post"),
+            "peak_memory_vs_post": costs.get("peak_memory_vs_post")})
+    return out
+
+
+def verdicts_markdown(verdicts: list[dict], fresh_batches: int) -> str:
+    header = ["method", "cells where post collapses", "runs done", "collapsed", "non-finite",
+              "prevented the collapse", f"loss / L_freq ({fresh_batches} fresh batches)",
+              "largest gap to pre", f"goal: prevented, within {GOAL_GAP} of pre",
+              "step time / post", "peak memory / post"]
+    rows = [[v["method"], str(v["cells"]), f"{v['done']}/{v['planned']}",
+             f"{v['collapsed']}/{v['done']}", str(v["nonfinite"]), v["prevented"],
+             ("–" if v["fresh_loss_over_lfreq_range"] is None else
+              "{:.3f}–{:.3f}".format(*v["fresh_loss_over_lfreq_range"])),
+             cell(v["largest_gap_to_pre"], "+.3f"), v["meets_goal"],
+             cell(v["step_time_vs_post"], ".3f"), cell(v["peak_memory_vs_post"], ".4f")]
+            for v in verdicts]
+    return "\n".join(markdown_table(header, rows)) + "\n"
+
+
 def _status_cell(entry: dict) -> str:
     """How the cell's runs ended: ``done/planned``, then any other ending by name."""
     others = ", ".join(f"{n} {s}" for s, n in entry["status"].items() if s != "done" and n)
@@ -357,11 +413,14 @@ def tabulate(out_dir: str, specs: list[RunSpec], configs: list[ml_collections.Co
                          functools.partial(run_measures, fresh_batches=fresh_batches),
                          lambda measures: measures.get("fresh_batches") != fresh_batches)
     entries = aggregate(rows, costs)
+    verdicts = method_verdicts(entries)
     write_json_atomic(os.path.join(out_dir, "leaderboard.json"),
-                      {"runs": rows, "cells": entries, "fresh_batches": fresh_batches,
-                       "costs": costs or {}})
+                      {"runs": rows, "cells": entries, "methods": verdicts,
+                       "fresh_batches": fresh_batches, "costs": costs or {}})
     table = markdown(entries, fresh_batches)
     write_bytes_atomic(os.path.join(out_dir, "leaderboard.md"), table.encode())
+    write_bytes_atomic(os.path.join(out_dir, "leaderboard_methods.md"),
+                       verdicts_markdown(verdicts, fresh_batches).encode())
     plot(os.path.join(out_dir, "leaderboard.png"), entries)
     write_bytes_atomic(os.path.join(out_dir, "leaderboard.html"),
                        html_page(entries, table, out_dir).encode())

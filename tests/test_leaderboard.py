@@ -62,6 +62,8 @@ def test_the_leaderboard_trains_resumes_and_shards_alike(sweep_file, tmp_path):
     for entry in board["cells"]:
         assert f"| {entry['method']} | 2 | 0.003 | 2 | 1/1 |" in table
     assert pre["gap_to_pre"] == pytest.approx(0.0, abs=1e-12)
+    assert [v["method"] for v in board["methods"]] == ["post", "pre"]
+    assert "| post | " in (whole / "leaderboard_methods.md").read_text()
     page = (whole / "leaderboard.html").read_text()
     assert page.count("report.html") == 2 and (whole / "leaderboard.png").stat().st_size > 0
     # the archive: the post run's record written by its worker; the pre run's, trained by a
@@ -91,3 +93,37 @@ def test_a_plan_without_the_methods_asked_for_is_one_line(tmp_path):
     assert result.returncode == 2, result.stderr[-3000:]
     assert "plans no run of --methods=" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_each_methods_verdict_over_the_cells_where_post_collapses():
+    """Judged only where Post-Norm collapsed (lr 3e-3 here, not 1e-3): a method with a
+    collapsed or non-finite run there did not prevent it; one whose runs there are all done
+    and none collapsed did, and meets the goal if no cell is more than 0.05 above Pre-Norm."""
+    from experiments.leaderboard import aggregate, method_verdicts, verdicts_markdown
+
+    def run(method, lr, seed, loss, collapsed=False, status="done"):
+        return {"method": method, "layers": 48, "lr": lr, "warmup": 20, "status": status,
+                "collapsed": collapsed if status == "done" else None, "workdir": f"{method}{seed}",
+                "fresh_loss_over_lfreq": loss if status == "done" else None}
+
+    rows = [run("post", 1e-3, 0, 0.95), run("post", 3e-3, 0, 1.02, True),
+            run("post", 3e-3, 1, 1.03, True),
+            run("pre", 1e-3, 0, 0.85), run("pre", 3e-3, 0, 0.80), run("pre", 3e-3, 1, 0.82),
+            run("mixln", 1e-3, 0, 1.04, True),  # outside Post's collapse cells: not judged
+            run("mixln", 3e-3, 0, 0.84), run("mixln", 3e-3, 1, 0.85),
+            run("sandwich", 3e-3, 0, 0.90), run("sandwich", 3e-3, 1, 0.0, status="missing"),
+            run("adaptive", 3e-3, 0, 0.83), run("adaptive", 3e-3, 1, 0.0, status="nonfinite"),
+            run("deepnorm", 3e-3, 0, 0.86), run("deepnorm", 3e-3, 1, 1.01, True)]
+    verdicts = {v["method"]: v for v in method_verdicts(aggregate(rows))}
+    assert verdicts["post"]["prevented"] == "no" and verdicts["post"]["collapsed"] == 2
+    mixln = verdicts["mixln"]
+    assert (mixln["cells"], mixln["done"], mixln["collapsed"], mixln["prevented"],
+            mixln["meets_goal"]) == (1, 2, 0, "yes", "yes")
+    assert mixln["largest_gap_to_pre"] == pytest.approx(0.845 - 0.81)
+    assert mixln["fresh_loss_over_lfreq_range"] == [0.84, 0.85]
+    sandwich = verdicts["sandwich"]  # 0.09 above Pre, one seed missing
+    assert (sandwich["prevented"], sandwich["meets_goal"]) == ("so far", "no")
+    assert (verdicts["adaptive"]["prevented"], verdicts["adaptive"]["nonfinite"]) == ("no", 1)
+    assert (verdicts["deepnorm"]["prevented"], verdicts["deepnorm"]["meets_goal"]) == ("no", "no")
+    table = verdicts_markdown(list(verdicts.values()), 512)
+    assert "| mixln | 1 | 2/2 | 0/2 | 0 | yes | 0.840–0.850 | +0.035 | yes |" in table
