@@ -542,6 +542,19 @@ def test_the_committed_method_sweeps_pass_the_check_before_any_run(sweep_file, r
     assert len(sweep_runner.planned_configs(base, specs, {})) == runs
 
 
+def test_a_training_methods_run_keeps_its_id_under_every_variant():
+    """A group run alone names its runs as the whole plan does (so its archive records and run
+    directories are found by either)."""
+    from configs.sweeps.training_methods import GROUPS
+
+    whole = {s.run_id: s.overrides for s in
+             sweep.plan_file("configs/sweeps/training_methods.py")[1]}
+    for group in GROUPS:
+        for spec in sweep.plan_file(f"configs/sweeps/training_methods.py:{group}")[1]:
+            assert whole[spec.run_id] == spec.overrides
+    assert "post_layers96_adamw_lr0.001_repair_seed0" in whole
+
+
 def test_the_leaderboard_grid_holds_the_108_runs_and_gives_each_cell_its_seeds():
     """The grid variant's configs include every config of the 108-run plan (so runs finished
     under either count for both), and each cell has the seeds its docstring states."""

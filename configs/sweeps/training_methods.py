@@ -52,6 +52,24 @@ GROUPS = {
 }
 
 
+def run_name(overrides: dict[str, object]) -> str:
+    """A run's id: what it changes, e.g. ``post_layers48_adamw_lr0.001_repair_seed0`` or
+    ``post_layers48_adamw_lr0.001_monitor-clip-rollback_seed2`` (the same under every variant,
+    so a run's archive record keeps its name)."""
+    changes = [
+        *(["repair"] if overrides["train.grad_repair"] else []),
+        *([f"diversity{overrides['opt.diversity_weight']!r}"]
+          if overrides["opt.diversity_weight"] else []),
+        *([f"zloss{overrides['opt.z_loss']!r}"] if overrides["opt.z_loss"] else []),
+        *([f"monitor-{overrides['monitor.action']}"
+           + ("-rollback" if overrides["monitor.rollback"] else "")]
+          if overrides["monitor.action"] != "none" else []),
+    ]
+    return "_".join([overrides["model.norm"], f"layers{overrides['model.n_layers']}",
+                     overrides["opt.optimizer"], f"lr{overrides['opt.lr']!r}", *changes,
+                     f"seed{overrides['seed']}"])
+
+
 def get_sweep(arg: str | None = None) -> list[dict[str, object]]:
     """One dict of config overrides per run: every group, or the group ``arg``."""
     if arg in (None, ""):
