@@ -69,13 +69,19 @@ from configs.sweeps.leaderboard import METHODS, method_label, method_of
 from postnorm.analysis.figures import save_figure
 from postnorm.analysis.report import write_report
 from postnorm.analysis.run_measures import run_measures
-from postnorm.analysis.tables import cell, markdown_table
 from postnorm.config import config_data
 from postnorm.config.list_flags import choice_list
 from postnorm.errors import UserError, exit_on_error
 from postnorm.files import make_output_dir, write_bytes_atomic, write_json_atomic
 from postnorm.runtime.allocator import use_allocator
 from postnorm.sweep.archive import archive_finished, archived_runs
+from postnorm.sweep.leaderboard_table import (
+    aggregate,
+    cell_key,
+    markdown,
+    method_verdicts,
+    verdicts_markdown,
+)
 from postnorm.sweep.plan import RunSpec, build_config, parse_shard, plan_file, shard, split_arg
 from postnorm.sweep.record import run_metrics_summary
 from postnorm.sweep.runner import planned_configs, run_sweep, run_workdirs
@@ -107,9 +113,6 @@ flags.DEFINE_list("cost", ["docs/perf/intel_methods_overhead.json",
 flags.DEFINE_integer("fresh_batches", 512, "Training batches after the last step to evaluate "
                      "each final checkpoint on.", lower_bound=1)
 FLAGS = flags.FLAGS
-
-CELL = ("method", "layers", "lr", "warmup")
-
 
 class LeaderboardError(UserError, ValueError):
     """A run cannot be measured or the plan holds no run."""
@@ -195,142 +198,6 @@ def progress(configs: list[ml_collections.ConfigDict], rows: list[dict], workers
     return text
 
 
-def cell_key(row: dict) -> tuple:
-    return tuple(row[k] for k in CELL)
-
-
-def _mean_sd(values: list[float]) -> str:
-    if not values:
-        return "–"
-    return f"{np.mean(values):.3f} ± {np.std(values):.3f}" if len(values) > 1 else \
-        f"{values[0]:.3f}"
-
-
-def aggregate(rows: list[dict], costs: dict[str, dict] | None = None) -> list[dict]:
-    """One entry per cell: the runs planned and how each ended, their measures, and the
-    method's cost (``method_costs``; None where not benchmarked)."""
-    groups: dict[tuple, list[dict]] = {}
-    for row in rows:
-        groups.setdefault(cell_key(row), []).append(row)
-
-    def fresh(runs: list[dict]) -> list[float]:
-        return [r["fresh_loss_over_lfreq"] for r in runs if r.get("fresh_loss_over_lfreq")]
-
-    out = []
-    for key in sorted(groups, key=lambda k: (list(METHODS).index(k[0]), *k[1:])):
-        runs = groups[key]
-        done = [r for r in runs if r["status"] == "done"]
-        pre = groups.get(("pre", *key[1:]), [])
-        post_all = groups.get(("post", *key[1:]), [])
-        post = [r for r in post_all if r["status"] == "done"]
-        # every planned Post seed finished and none collapsed
-        post_safe = bool(post) and len(post) == len(post_all) and not any(
-            r.get("collapsed") for r in post)
-        leads = [r["warn_lead"] for r in done if r.get("warn_lead") is not None]
-        out.append({
-            **dict(zip(CELL, key, strict=True)), "planned": len(runs),
-            "status": {s: sum(r["status"] == s for r in runs)
-                       for s in sorted({r["status"] for r in runs})},
-            "done": len(done), "collapsed": sum(bool(r.get("collapsed")) for r in done),
-            "fresh_loss_over_lfreq": fresh(done),
-            "gap_to_pre": (float(np.mean(fresh(done)) - np.mean(fresh(pre)))
-                           if fresh(done) and fresh(pre) else None),
-            "gap_to_post": (float(np.mean(fresh(done)) - np.mean(fresh(post)))
-                            if post_safe and fresh(done) and fresh(post) else None),
-            "min_c": min((r["min_c"] for r in done if r.get("min_c") is not None),
-                         default=None),
-            "dldx_first_over_last_early": [r["dldx_first_over_last_early"] for r in done
-                                           if r.get("dldx_first_over_last_early") is not None],
-            "update_norm_early": [r["update_norm_early"] for r in done
-                                  if r.get("update_norm_early") is not None],
-            "warn_lead": leads,
-            "false_alarms": sum(bool(r.get("false_alarm")) for r in done),
-            "wall_s": [r["wall_s"] for r in done if r.get("wall_s")],
-            "step_time_vs_post": (costs or {}).get(key[0], {}).get("step_time_vs_post"),
-            "peak_memory_vs_post": (costs or {}).get(key[0], {}).get("peak_memory_vs_post"),
-            "runs": [r["workdir"] for r in runs],
-        })
-    return out
-
-
-GOAL_GAP = 0.05  # the architecture issue's bar: within this of Pre-Norm's loss / L_freq
-
-
-def method_verdicts(entries: list[dict]) -> list[dict]:
-    """Per method, over the cells where some Post-Norm seed collapsed: its runs there and how
-    they ended, whether it prevented the collapse (``yes``: every planned run done and none
-    collapsed; ``so far``: none of those done collapsed; ``no``: one collapsed or stopped on a
-    non-finite step), its loss / L_freq range and largest gap to Pre-Norm, whether it meets the
-    goal (prevented and every cell within ``GOAL_GAP`` of Pre-Norm), and its cost."""
-    post_collapses = {cell_key(e)[1:] for e in entries if e["method"] == "post" and e["collapsed"]}
-    out = []
-    for method in dict.fromkeys(e["method"] for e in entries):
-        mine = [e for e in entries if e["method"] == method and cell_key(e)[1:] in post_collapses]
-        planned, done = sum(e["planned"] for e in mine), sum(e["done"] for e in mine)
-        collapsed = sum(e["collapsed"] for e in mine)
-        nonfinite = sum(e["status"].get("nonfinite", 0) for e in mine)
-        gaps = [e["gap_to_pre"] for e in mine if e["gap_to_pre"] is not None]
-        losses = [v for e in mine for v in e["fresh_loss_over_lfreq"]]
-        if collapsed or nonfinite:
-            prevented = "no"
-        elif not done:
-            prevented = "–"
-        else:
-            prevented = "yes" if done == planned else "so far"
-        within = None if not gaps else max(gaps) <= GOAL_GAP
-        goal = ("no" if prevented == "no" or within is False else
-                "–" if prevented == "–" or within is None else prevented)
-        costs = next(iter(mine), {})
-        out.append({
-            "method": method, "cells": len(mine), "planned": planned, "done": done,
-            "collapsed": collapsed, "nonfinite": nonfinite, "prevented": prevented,
-            "fresh_loss_over_lfreq_range": [min(losses), max(losses)] if losses else None,
-            "largest_gap_to_pre": max(gaps) if gaps else None, "meets_goal": goal,
-            "step_time_vs_post": costs.get("step_time_vs_post"),
-            "peak_memory_vs_post": costs.get("peak_memory_vs_post")})
-    return out
-
-
-def verdicts_markdown(verdicts: list[dict], fresh_batches: int) -> str:
-    header = ["method", "cells where post collapses", "runs done", "collapsed", "non-finite",
-              "prevented the collapse", f"loss / L_freq ({fresh_batches} fresh batches)",
-              "largest gap to pre", f"goal: prevented, within {GOAL_GAP} of pre",
-              "step time / post", "peak memory / post"]
-    rows = [[v["method"], str(v["cells"]), f"{v['done']}/{v['planned']}",
-             f"{v['collapsed']}/{v['done']}", str(v["nonfinite"]), v["prevented"],
-             ("–" if v["fresh_loss_over_lfreq_range"] is None else
-              "{:.3f}–{:.3f}".format(*v["fresh_loss_over_lfreq_range"])),
-             cell(v["largest_gap_to_pre"], "+.3f"), v["meets_goal"],
-             cell(v["step_time_vs_post"], ".3f"), cell(v["peak_memory_vs_post"], ".4f")]
-            for v in verdicts]
-    return "\n".join(markdown_table(header, rows)) + "\n"
-
-
-def _status_cell(entry: dict) -> str:
-    """How the cell's runs ended: ``done/planned``, then any other ending by name."""
-    others = ", ".join(f"{n} {s}" for s, n in entry["status"].items() if s != "done" and n)
-    return f"{entry['done']}/{entry['planned']}" + (f" ({others})" if others else "")
-
-
-def markdown(entries: list[dict], fresh_batches: int) -> str:
-    header = ["method", "layers", "lr", "warmup", "runs done", "collapsed",
-              f"loss / L_freq ({fresh_batches} fresh batches)", "gap to pre",
-              "gap to post (where post does not collapse)", "min c",
-              "early ‖∂L/∂X‖ first / last", "early update norm", "warn lead (steps)",
-              "false alarms", "train s", "step time / post", "peak memory / post"]
-    rows = [[e["method"], str(e["layers"]), f"{e['lr']:g}", str(e["warmup"]), _status_cell(e),
-             f"{e['collapsed']}/{e['done']}", _mean_sd(e["fresh_loss_over_lfreq"]),
-             cell(e["gap_to_pre"], "+.3f"), cell(e["gap_to_post"], "+.3f"),
-             cell(e["min_c"], ".3f"),
-             cell([float(v) for v in e["dldx_first_over_last_early"]] or None, ".3g"),
-             cell([float(v) for v in e["update_norm_early"]] or None, ".3g"),
-             cell([int(v) for v in e["warn_lead"]] or None), str(e["false_alarms"]),
-             cell(float(np.mean(e["wall_s"])) if e["wall_s"] else None, ".0f"),
-             cell(e["step_time_vs_post"], ".3f"), cell(e["peak_memory_vs_post"], ".4f")]
-            for e in entries]
-    return "\n".join(markdown_table(header, rows)) + "\n"
-
-
 def plot(path: str, entries: list[dict]) -> None:
     """Methods x cells coloured by the mean fresh-batch loss / L_freq; collapsed seeds marked
     ``C k/n`` in a red frame, runs stopped by a non-finite step ``x``, cells not run blank."""
@@ -412,7 +279,7 @@ def tabulate(out_dir: str, specs: list[RunSpec], configs: list[ml_collections.Co
                          [os.path.join(out_dir, r["workdir"]) for r in rows],
                          functools.partial(run_measures, fresh_batches=fresh_batches),
                          lambda measures: measures.get("fresh_batches") != fresh_batches)
-    entries = aggregate(rows, costs)
+    entries = aggregate(rows, list(METHODS), costs)
     verdicts = method_verdicts(entries)
     write_json_atomic(os.path.join(out_dir, "leaderboard.json"),
                       {"runs": rows, "cells": entries, "methods": verdicts,

@@ -2,6 +2,7 @@
 
     python -m experiments.sweep --sweep configs/sweeps/stability.py --out_dir DIR [--shard i/n]
         [--workers N] [--override key=value ...] [--report_only] [--archive A]
+        [--fresh_batches N]
 
 Every run's config is built and validated before the first run starts; a bad sweep file or
 field stops the command with exit 2 and one line naming the run. Each run trains into
@@ -24,14 +25,22 @@ finished runs found in DIR:
   a field the run ids name (those the sweep varies; all its fields if it varies none);
 * with ``--archive A``: each run's record in ``A/<run id>.json`` as it ends (and those of
   runs finished earlier in DIR), to commit; a run recorded there is not trained again, and the
-  table and the map read it from there when DIR lacks it (``postnorm.sweep.archive``);
+  table and the map read it from there when DIR lacks it (``postnorm.sweep.archive``); with
+  ``--fresh_batches N`` too, each finished run is measured on its final checkpoint before its
+  record is written, as the leaderboard measures its runs
+  (``postnorm.analysis.run_measures``: the cross-entropy on the next N training batches over
+  L_freq, min c, the early layers' gradient fall and update norm, the monitor's first warn), so
+  the record keeps them once the run's directory is gone;
 * ``stability_map.png``: per norm placement a depth x lr grid coloured by final loss / L_freq,
   collapsed cells marked C in a red frame, diverged cells marked x, missing ones left blank;
   drawn when the sweep varies depth and lr, and nothing but them and the norm placement.
 """
 
+import functools
+
 from absl import app, flags
 
+from postnorm.analysis.run_measures import run_measures
 from postnorm.config.args import field_path, parse_flags
 from postnorm.errors import exit_on_error
 from postnorm.files import dumps, make_output_dir
@@ -58,6 +67,9 @@ flags.DEFINE_integer("workers", 1, "Train this shard's runs in this many CPU-pin
 flags.DEFINE_string("archive", None, "Directory of the sweep's archive (postnorm.sweep.archive): "
                     "one JSON record per finished run, written as each ends; runs recorded "
                     "there are not trained again and the table reads them from there.")
+flags.DEFINE_integer("fresh_batches", 0, "With --archive: measure each finished run on this "
+                     "many training batches after its last step (and the leaderboard's other "
+                     "measures) into its record; 0: no measures.", lower_bound=0)
 FLAGS = flags.FLAGS
 
 
@@ -88,6 +100,9 @@ def main(argv: list[str]) -> None:
         raise app.UsageError("--sweep and --out_dir are required")
     if bad := [item for item in FLAGS.override if "=" not in item]:
         raise app.UsageError(f"--override {bad}: expected key=value, e.g. train.steps=20")
+    if FLAGS.fresh_batches and not FLAGS.archive:
+        raise app.UsageError("--fresh_batches measures runs into their --archive records: give "
+                             "--archive too")
     check_workers(FLAGS.workers)
     base_config, specs = plan_file(FLAGS.sweep)
     index, count = parse_shard(FLAGS.shard)
@@ -98,12 +113,15 @@ def main(argv: list[str]) -> None:
     make_output_dir(FLAGS.out_dir, "--out_dir")
     workdirs = run_workdirs(FLAGS.out_dir, specs, configs)
     archive = make_output_dir(FLAGS.archive, "--archive") if FLAGS.archive else None
+    measure = (functools.partial(run_measures, fresh_batches=FLAGS.fresh_batches)
+               if FLAGS.fresh_batches else None)
     if not FLAGS.report_only:
         mine = shard(list(range(len(specs))), index, count)
         run_sweep([specs[i] for i in mine], [configs[i] for i in mine],
-                  [workdirs[i] for i in mine], FLAGS.workers, archive=archive)
+                  [workdirs[i] for i in mine], FLAGS.workers, archive=archive, measure=measure)
     if archive:
-        archive_finished(archive, [s.run_id for s in specs], configs, workdirs)
+        archive_finished(archive, [s.run_id for s in specs], configs, workdirs, measure,
+                         lambda measures: measures.get("fresh_batches") != FLAGS.fresh_batches)
     rows = write_summary(base_config, specs, FLAGS.out_dir, extra, workdirs,
                          archived_runs(archive, configs))
     print(dumps(rows, indent=1))

@@ -164,17 +164,18 @@ def synthetic_run(workdir) -> None:
 def test_an_archived_run_reads_as_its_directory_replayed(tmp_path):
     """The archive's row (the detector's verdict from its result, its first warn from its
     measures) equals the replay of the run's own records, but for what it does not keep."""
-    from experiments.early_warning import archived_row, run_row
+    from configs.sweeps.leaderboard import method_label
+    from postnorm.analysis.warning_replay import archived_row, run_row
 
     synthetic_run(tmp_path / "run")
-    replayed = run_row(str(tmp_path / "run"))
+    replayed = run_row(str(tmp_path / "run"), method_label)
     assert (replayed["collapse_step"], replayed["first_warn"], replayed["lead_steps"],
             replayed["lead_intervals"]) == (60, 40, 20, 2)
     entry = {"run_id": "post_seed0", "config": read_run_config(str(tmp_path / "run")),
              "result": {"status": "done", "config_digest": "d", "collapse": detect_collapse(
                  read_metrics(str(tmp_path / "run"))).to_json()},
              "measures": {"first_warn": 40}}
-    archived = archived_row("archive", entry)
+    archived = archived_row("archive", entry, method_label)
     unkept = ("workdir", "first_watch", "warn_reason")
     assert {k: v for k, v in archived.items() if k not in unkept} == {
         k: v for k, v in replayed.items() if k not in unkept}
@@ -182,10 +183,11 @@ def test_an_archived_run_reads_as_its_directory_replayed(tmp_path):
     quiet = archived_row("archive", {**entry, "measures": {"first_warn": 30},
                                      "result": {**entry["result"], "collapse": {
                                          **entry["result"]["collapse"], "collapsed": False,
-                                         "collapse_step": None}}})
+                                         "collapse_step": None}}}, method_label)
     assert (quiet["false_alarm"], quiet["lead_steps"], quiet["missed"]) == (True, None, False)
     stopped = archived_row("archive", {**entry, "measures": None,
-                                       "result": {"status": "nonfinite", "config_digest": "d"}})
+                                       "result": {"status": "nonfinite", "config_digest": "d"}},
+                           method_label)
     assert not stopped["finished"] and stopped["first_warn"] is None
 
 

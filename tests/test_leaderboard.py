@@ -99,7 +99,7 @@ def test_each_methods_verdict_over_the_cells_where_post_collapses():
     """Judged only where Post-Norm collapsed (lr 3e-3 here, not 1e-3): a method with a
     collapsed or non-finite run there did not prevent it; one whose runs there are all done
     and none collapsed did, and meets the goal if no cell is more than 0.05 above Pre-Norm."""
-    from experiments.leaderboard import aggregate, method_verdicts, verdicts_markdown
+    from postnorm.sweep.leaderboard_table import aggregate, method_verdicts, verdicts_markdown
 
     def run(method, lr, seed, loss, collapsed=False, status="done"):
         return {"method": method, "layers": 48, "lr": lr, "warmup": 20, "status": status,
@@ -114,7 +114,9 @@ def test_each_methods_verdict_over_the_cells_where_post_collapses():
             run("sandwich", 3e-3, 0, 0.90), run("sandwich", 3e-3, 1, 0.0, status="missing"),
             run("adaptive", 3e-3, 0, 0.83), run("adaptive", 3e-3, 1, 0.0, status="nonfinite"),
             run("deepnorm", 3e-3, 0, 0.86), run("deepnorm", 3e-3, 1, 1.01, True)]
-    verdicts = {v["method"]: v for v in method_verdicts(aggregate(rows))}
+    order = ["post", "pre", "deepnorm", "mixln", "sandwich", "adaptive"]
+    verdicts = {v["method"]: v for v in method_verdicts(aggregate(rows, order))}
+    assert list(verdicts) == order
     assert verdicts["post"]["prevented"] == "no" and verdicts["post"]["collapsed"] == 2
     mixln = verdicts["mixln"]
     assert (mixln["cells"], mixln["done"], mixln["collapsed"], mixln["prevented"],
