@@ -5,7 +5,8 @@ frequency-loss regulariser, the z-loss and the early-warning monitor's actions
 leaderboard's runs (configs/sweeps/leaderboard.py), the controls.
 
     python -m experiments.sweep --sweep configs/sweeps/training_methods.py \\
-        --out_dir runs/training_methods --archive docs/training_methods/runs --workers 2
+        --out_dir runs/training_methods --archive docs/training_methods/runs --workers 2 \\
+        --fresh_batches 512
 
 Groups (variant ``<group>`` runs one alone):
 
