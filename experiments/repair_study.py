@@ -29,6 +29,7 @@ from absl import app, flags
 
 from postnorm.analysis.backward import geometric_mean
 from postnorm.analysis.collapse import DEFAULT_RULE, detect_collapse
+from postnorm.analysis.figures import save_figure
 from postnorm.analysis.tables import cell, markdown_table
 from postnorm.errors import UserError, exit_on_error
 from postnorm.files import make_output_dir, write_bytes_atomic, write_json_atomic
@@ -183,8 +184,7 @@ def plot(path: str, rows: list[dict]) -> None:
                  title="the early layers' update over training")
     axes[-1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv: list[str]) -> None:
