@@ -14,7 +14,9 @@ groups ``repair`` and ``depth96``), at the diagnostic steps:
   (geometric mean over the early layers; a tap at exactly 0 is left out and counted);
 * with repair, the cosine of the repaired and the true parameter gradient (per layer, and over
   every parameter): how far the update leaves the loss's gradient;
-* the collapse verdict (the project's rule) and the loss over L_freq at the end of training.
+* the collapse verdict (the project's rule) and the loss over L_freq at the end of training,
+  and on the training batches after the last step where the sweep measured the run
+  (``--fresh_batches``).
 
 Pairs each repaired run with the unrepaired run of the same optimizer, lr, depth and seed.
 Writes ``summary.json``, ``summary.md`` and ``repair.png`` to --out_dir.
@@ -30,6 +32,7 @@ from absl import app, flags
 from postnorm.analysis.backward import geometric_mean
 from postnorm.analysis.collapse import DEFAULT_RULE, detect_collapse
 from postnorm.analysis.figures import save_figure
+from postnorm.analysis.run_measures import cached_measures
 from postnorm.analysis.tables import cell, markdown_table
 from postnorm.errors import UserError, exit_on_error
 from postnorm.files import make_output_dir, write_bytes_atomic, write_json_atomic
@@ -74,6 +77,12 @@ def layer_update_norms(series: dict) -> tuple[np.ndarray, np.ndarray]:
     return steps, np.sqrt(sum(values ** 2 for _, values in parts))
 
 
+def _finite(reduce, values: np.ndarray) -> float | None:
+    """``reduce`` over the finite values; None when there are none."""
+    finite = values[np.isfinite(values)]
+    return float(reduce(finite)) if finite.size else None
+
+
 def run_record(workdir: str) -> dict:
     """One run's update norms, true-gradient fall, repair cosines and verdict."""
     records = read_metrics(workdir)
@@ -86,6 +95,7 @@ def run_record(workdir: str) -> dict:
     summary = run_metrics_summary(workdir)
     cos = series.get("repair_cos")
     cos_all = [r["diag/repair_cos_all"] for r in records if "diag/repair_cos_all" in r]
+    fresh = cached_measures(workdir) or {}
     return {
         "workdir": workdir, "optimizer": config["opt"]["optimizer"],
         "lr": config["opt"]["lr"], "n_layers": config["model"]["n_layers"],
@@ -95,6 +105,10 @@ def run_record(workdir: str) -> dict:
         "fraction_tsim_ge_0.99_last": collapse.fraction_collapsed[-1],
         "train_loss_over_lfreq": summary.get("train_loss_over_lfreq"),
         "eval_loss_over_floor": summary.get("eval_loss_over_floor"),
+        # the cross-entropy on the training batches after the last step, where the sweep
+        # measured the run (experiments.sweep --fresh_batches)
+        "fresh_loss_over_lfreq": fresh.get("fresh_loss_over_lfreq"),
+        "fresh_batches": fresh.get("fresh_batches"),
         "steps": steps.tolist(),
         "update_norm_last": update_LxS[:, -1].tolist(),
         "update_norm_early": update_LxS[:EARLY].mean(axis=0).tolist(),
@@ -102,8 +116,11 @@ def run_record(workdir: str) -> dict:
         # zero taps (float32 underflow) are left out of the mean and counted
         "true_dldx_first_over_last_early": float(geometric_mean(ratio_early)),
         "true_dldx_vanished_early": int(np.sum(dldx_LxS[:EARLY, -1] == 0)),
-        "repair_cos_last_median": None if cos is None else float(np.median(cos[1][:, -1])),
-        "repair_cos_last_min": None if cos is None else float(np.min(cos[1][:, -1])),
+        # a layer whose true gradient underflowed to 0 has no cosine (NaN): left out, counted
+        "repair_cos_last_median": None if cos is None else _finite(np.median, cos[1][:, -1]),
+        "repair_cos_last_min": None if cos is None else _finite(np.min, cos[1][:, -1]),
+        "repair_cos_undefined": None if cos is None else int(np.sum(~np.isfinite(
+            cos[1][:, -1]))),
         "repair_cos_all_last": cos_all[-1] if cos_all else None,
     }
 
@@ -135,22 +152,35 @@ def _setting(row: dict) -> str:
             + (f", seed {row['seed']}" if row["seed"] else ""))
 
 
+def _fall(row: dict) -> str:
+    """The early layers' true-gradient fall, with how many of them ended at exactly 0."""
+    vanished = row["true_dldx_vanished_early"]
+    if vanished == EARLY:
+        return f"all {EARLY} at 0 (underflowed)"
+    return (f"{row['true_dldx_first_over_last_early']:.3g}"
+            + (f" ({vanished} at 0, left out)" if vanished else ""))
+
+
 def markdown(rows: list[dict], paired: list[dict]) -> str:
     lines = ["## Per run, at the last diagnostic step", ""]
     lines += markdown_table(
         ["setting", "repair", "collapsed (step)", "layers tsim ≥ 0.99", "loss / L_freq (train)",
+         "loss / L_freq (fresh batches)",
          "update norm, layers 0-3", "update norm, last 4 layers", "early / last",
          "true early ‖∂L/∂X‖ first / last", "repair cos: median, min over layers",
          "repair cos, all parameters"],
         [[_setting(r), "yes" if r["repair"] else "no",
           f"{cell(r['collapsed'])} ({cell(r['collapse_step'])})",
           f"{r['fraction_tsim_ge_0.99_last']:.0%}", cell(r["train_loss_over_lfreq"], ".3f"),
+          ("–" if r["fresh_loss_over_lfreq"] is None else
+           f"{r['fresh_loss_over_lfreq']:.3f} ({r['fresh_batches']})"),
           f"{r['update_norm_early'][-1]:.3g}", f"{r['update_norm_late'][-1]:.3g}",
           f"{r['update_norm_early'][-1] / r['update_norm_late'][-1]:.3g}",
-          f"{r['true_dldx_first_over_last_early']:.3g}"
-          + (f" ({r['true_dldx_vanished_early']} at 0)" if r["true_dldx_vanished_early"] else ""),
+          _fall(r),
           ("–" if r["repair_cos_last_median"] is None else
-           f"{r['repair_cos_last_median']:.3f}, {r['repair_cos_last_min']:.3f}"),
+           f"{r['repair_cos_last_median']:.3f}, {r['repair_cos_last_min']:.3f}"
+           + (f" ({r['repair_cos_undefined']} layers undefined: true gradient 0)"
+              if r["repair_cos_undefined"] else "")),
           cell(r["repair_cos_all_last"], ".3f")] for r in rows])
     lines += ["", "## Repaired over plain, same setting and seed", ""]
     lines += markdown_table(

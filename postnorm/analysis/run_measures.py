@@ -17,6 +17,15 @@ from postnorm.workdir.metrics import layer_series, read_metrics
 CACHE = "leaderboard.json"
 
 
+def cached_measures(workdir: str) -> dict | None:
+    """The measures ``run_measures`` cached in ``workdir``, or None where it has not run."""
+    path = os.path.join(workdir, CACHE)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
 def run_measures(workdir: str, fresh_batches: int) -> dict:
     """The measures of one finished run (``experiments.leaderboard``'s docstring), cached in
     the workdir by its checkpoint step and the batch count."""
