@@ -213,3 +213,35 @@ def test_the_paper_width_section_matches_its_outputs():
     assert similar["similar_layers"] == list(range(8, 48)) and similar["attn_other"] == 0.0
     assert f"gradients of\n  {similar['attn_similar']:.1e}".replace("e-0", "e-") in doc
     assert f"ε is {thm38['post_seed0']['mean_eps']:.1e}".replace("e-0", "e-") in doc
+
+
+def test_the_repair_section_matches_its_runs():
+    """docs/METHODS.md's gradient-repair table, from docs/figures/repair and the runs' archive
+    records (the fresh-batch loss)."""
+    summary = json.loads((REPO / "docs" / "figures" / "repair" / "summary.json").read_text())
+    doc = (REPO / "docs" / "METHODS.md").read_text()
+    names = {"adamw": "AdamW", "sgd": "SGD + momentum"}
+    plain = {}
+    for row in summary["runs"]:
+        run_id = (f"post_layers{row['n_layers']}_{row['optimizer']}_lr{row['lr']!r}"
+                  + ("_repair" if row["repair"] else "") + f"_seed{row['seed']}")
+        record = json.loads((REPO / "docs" / "training_methods" / "runs" / f"{run_id}.json")
+                            .read_text())
+        assert record["measures"]["fresh_loss_over_lfreq"] == row["fresh_loss_over_lfreq"]
+        early = row["update_norm_early"][-1]
+        key = (row["optimizer"], row["n_layers"])
+        ratio = "" if not row["repair"] else f"{early / plain[key]:.3g}×"
+        plain.setdefault(key, early)
+        line = (f"| {names[row['optimizer']]}, {row['n_layers']} layers | "
+                f"{'on' if row['repair'] else 'off'} | {'yes' if row['collapsed'] else 'no'} | "
+                f"{row['fraction_tsim_ge_0.99_last']:.0%} | {row['fresh_loss_over_lfreq']:.3f} | "
+                f"{early:.2e} |{f' {ratio} ' if ratio else ' '}|").replace("e-0", "e-")
+        assert line in doc, line
+    assert len(summary["runs"]) == 6 and len(summary["pairs"]) == 3
+    runs = {(r["optimizer"], r["n_layers"], r["repair"]): r for r in summary["runs"]}
+    on, off = runs[("adamw", 48, True)], runs[("adamw", 48, False)]
+    assert (f"cosine {on['repair_cos_all_last']:.3f} over every parameter, at least\n  "
+            f"{on['repair_cos_last_min']:.3f} per layer") in doc
+    share = [r["update_norm_early"][-1] / r["update_norm_late"][-1] for r in (on, off)]
+    assert f"({share[0]:.2f} of theirs, against {share[1]:.3f} without)" in doc
+    assert runs[("sgd", 48, True)]["true_dldx_vanished_early"] == 4
