@@ -29,6 +29,7 @@ from postnorm.diagnostics.early_warning import DEFAULT_MONITOR
 from postnorm.errors import UserError, exit_on_error
 from postnorm.files import write_bytes_atomic, write_json_atomic
 from postnorm.sweep.archive import read_archive
+from postnorm.sweep.record import read_result
 from postnorm.workdir.metrics import find_runs
 
 flags.DEFINE_list("runs", [], "Run directories.")
@@ -70,11 +71,18 @@ def main(argv: list[str]) -> None:
         DEFAULT_MONITOR,
         **({} if FLAGS.warn_persistence is None else {"persistence": FLAGS.warn_persistence}),
         **({} if FLAGS.warn_loss_rtol is None else {"warn_loss_rtol": FLAGS.warn_loss_rtol}))
+    # a run given both as a directory and in an archive counts once, as its directory
+    replayed = {(read_result(w) or {}).get("config_digest") for w in runs}
     rows = ([run_row(workdir, method_label, rule) for workdir in runs]
-            + [archived_row(directory, entry, method_label) for directory, entry in archived])
+            + [archived_row(directory, entry, method_label) for directory, entry in archived
+               if entry["result"]["config_digest"] not in replayed])
     for row in rows:
         print(json.dumps(row))
-    if unfinished := [r["workdir"] for r in rows if not r["finished"]]:
+    if unmeasured := [r["workdir"] for r in rows if r.get("unmeasured")]:
+        logging.warning("%d archived runs were recorded without measures (a sweep run without "
+                        "--fresh_batches) and are left out of the table: %s; give their run "
+                        "directories instead", len(unmeasured), ", ".join(unmeasured))
+    if unfinished := [r["workdir"] for r in rows if not r["finished"] and not r.get("unmeasured")]:
         logging.warning("%d runs have not finished (not at train.steps, or stopped on a non-finite "
                         "step) and are left out of the table: %s",
                         len(unfinished), ", ".join(unfinished))

@@ -9,7 +9,9 @@ groups ``repair`` and ``depth96``), at the diagnostic steps:
 
 * each layer's parameter update norm (attention, FFN and norm gains together), and its mean over
   the early layers (0 .. 3, the collapse rule's) and the last four: what the bottom of the stack
-  still moves, the quantity repair is meant to restore;
+  still moves, the quantity repair is meant to restore; beside it, under AdamW, the norm of the
+  decoupled weight-decay step alone (lr * weight_decay * ||decayed parameters||), what a layer
+  whose gradient carries nothing still moves;
 * the true ||dL/dX|| at the early layers' attention input, first diagnostic step over the last
   (geometric mean over the early layers; a tap at exactly 0 is left out and counted);
 * with repair, the cosine of the repaired and the true parameter gradient (per layer, and over
@@ -57,6 +59,10 @@ class NoRunsError(UserError):
     """No finished run of the repair study was given."""
 
 
+class StudyInputError(UserError):
+    """A run the study cannot read, or two runs of one setting."""
+
+
 def is_repair_study_run(config: dict) -> bool:
     """A Post-Norm run with no other remedy: no regulariser, z-loss, monitor action, budget,
     similarity-aware init or other arrangement."""
@@ -64,7 +70,8 @@ def is_repair_study_run(config: dict) -> bool:
             and not config["opt"].get("z_loss")
             and config.get("monitor", {}).get("action", "none") == "none"
             and config["model"].get("residual_budget", "none") == "none"
-            and not config["model"].get("init_tsim_target") and not config["model"]["qk_norm"])
+            and not config["model"].get("init_tsim_target")
+            and not config["model"].get("qk_norm"))
 
 
 def layer_update_norms(series: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -83,12 +90,36 @@ def _finite(reduce, values: np.ndarray) -> float | None:
     return float(reduce(finite)) if finite.size else None
 
 
+def decay_only_update(records: list[dict], series: dict, config: dict,
+                      step: int) -> np.ndarray | None:
+    """Per layer, the norm of AdamW's decoupled weight-decay step alone at ``step``,
+    lr * weight_decay * ||the layer's decayed parameters||: what a layer whose gradient carries
+    nothing still moves. None for another optimizer."""
+    opt = config["opt"]
+    if opt["optimizer"] != "adamw":
+        return None
+    lrs = [r["train/lr"] for r in records if r["step"] == step and "train/lr" in r]
+    groups = ("attn", "ffn", "norm") if opt.get("decay_norms_and_embeddings") else ("attn", "ffn")
+    steps = series["param_norm_attn"][0]
+    column = int(np.flatnonzero(steps == step)[0])
+    params_L = np.sqrt(sum(series[f"param_norm_{g}"][1][:, column] ** 2 for g in groups
+                           if f"param_norm_{g}" in series))
+    return lrs[0] * opt["weight_decay"] * params_L if lrs else None
+
+
 def run_record(workdir: str) -> dict:
-    """One run's update norms, true-gradient fall, repair cosines and verdict."""
+    """One run's update norms, true-gradient fall, repair cosines and verdict (only
+    ``finished: False`` for a run short of train.steps)."""
     records = read_metrics(workdir)
     config = recorded_config(workdir)
+    if max((r["step"] for r in records), default=0) < config["train"]["steps"]:
+        return {"workdir": workdir, "finished": False}
     series = layer_series(records)
-    steps, update_LxS = layer_update_norms(series)
+    try:
+        steps, update_LxS = layer_update_norms(series)
+    except ValueError as err:
+        raise StudyInputError(f"{workdir}: {err}; train it with diag.every > 0") from err
+    decay_L = decay_only_update(records, series, config, int(steps[-1]))
     dldx_LxS = series["dldx_norm_attn"][1]
     ratio_early = dldx_LxS[:EARLY, 0] / dldx_LxS[:EARLY, -1]
     collapse = detect_collapse(records)
@@ -99,6 +130,8 @@ def run_record(workdir: str) -> dict:
     return {
         "workdir": workdir, "optimizer": config["opt"]["optimizer"],
         "lr": config["opt"]["lr"], "n_layers": config["model"]["n_layers"],
+        "warmup": config["opt"]["warmup_steps"], "weight_decay": config["opt"]["weight_decay"],
+        "steps_planned": config["train"]["steps"],
         "seed": config["seed"], "repair": bool(config["train"]["grad_repair"]),
         "finished": max(r["step"] for r in records) >= config["train"]["steps"],
         "collapsed": collapse.collapsed, "collapse_step": collapse.collapse_step,
@@ -113,6 +146,7 @@ def run_record(workdir: str) -> dict:
         "update_norm_last": update_LxS[:, -1].tolist(),
         "update_norm_early": update_LxS[:EARLY].mean(axis=0).tolist(),
         "update_norm_late": update_LxS[-EARLY:].mean(axis=0).tolist(),
+        "decay_only_update_early": None if decay_L is None else float(decay_L[:EARLY].mean()),
         # zero taps (float32 underflow) are left out of the mean and counted
         "true_dldx_first_over_last_early": float(geometric_mean(ratio_early)),
         "true_dldx_vanished_early": int(np.sum(dldx_LxS[:EARLY, -1] == 0)),
@@ -130,9 +164,14 @@ def pairs(rows: list[dict]) -> list[dict]:
     the late layers' update norm at the last diagnostic step, repaired over plain."""
     by_key = collections.defaultdict(dict)
     for row in rows:
-        by_key[(row["optimizer"], row["lr"], row["n_layers"], row["seed"])][row["repair"]] = row
+        key = (row["optimizer"], row["lr"], row["n_layers"], row["seed"], row["warmup"],
+               row["weight_decay"], row["steps_planned"])
+        if row["repair"] in by_key[key]:
+            raise StudyInputError(f"{by_key[key][row['repair']]['workdir']} and "
+                                  f"{row['workdir']} are runs of one setting: give one of them")
+        by_key[key][row["repair"]] = row
     out = []
-    for (optimizer, lr, n_layers, seed), runs in sorted(by_key.items()):
+    for (optimizer, lr, n_layers, seed, *_), runs in sorted(by_key.items()):
         if set(runs) != {False, True}:
             continue
         plain, repaired = runs[False], runs[True]
@@ -166,7 +205,8 @@ def markdown(rows: list[dict], paired: list[dict]) -> str:
     lines += markdown_table(
         ["setting", "repair", "collapsed (step)", "layers tsim ≥ 0.99", "loss / L_freq (train)",
          "loss / L_freq (fresh batches)",
-         "update norm, layers 0-3", "update norm, last 4 layers", "early / last",
+         "update norm, layers 0-3", "their weight decay alone (AdamW)",
+         "update norm, last 4 layers", "early / last",
          "true early ‖∂L/∂X‖ first / last", "repair cos: median, min over layers",
          "repair cos, all parameters"],
         [[_setting(r), "yes" if r["repair"] else "no",
@@ -174,7 +214,8 @@ def markdown(rows: list[dict], paired: list[dict]) -> str:
           f"{r['fraction_tsim_ge_0.99_last']:.0%}", cell(r["train_loss_over_lfreq"], ".3f"),
           ("–" if r["fresh_loss_over_lfreq"] is None else
            f"{r['fresh_loss_over_lfreq']:.3f} ({r['fresh_batches']})"),
-          f"{r['update_norm_early'][-1]:.3g}", f"{r['update_norm_late'][-1]:.3g}",
+          f"{r['update_norm_early'][-1]:.3g}", cell(r["decay_only_update_early"], ".3g"),
+          f"{r['update_norm_late'][-1]:.3g}",
           f"{r['update_norm_early'][-1] / r['update_norm_late'][-1]:.3g}",
           _fall(r),
           ("–" if r["repair_cos_last_median"] is None else

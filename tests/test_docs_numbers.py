@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from configs.sweeps.training_methods import FIELDS, run_name
 from tests.reliability_helpers import REPO, subprocess_env
 
 EARLY_WARNING = REPO / "docs" / "figures" / "early_warning"
@@ -223,8 +224,9 @@ def test_the_repair_section_matches_its_runs():
     names = {"adamw": "AdamW", "sgd": "SGD + momentum"}
     plain = {}
     for row in summary["runs"]:
-        run_id = (f"post_layers{row['n_layers']}_{row['optimizer']}_lr{row['lr']!r}"
-                  + ("_repair" if row["repair"] else "") + f"_seed{row['seed']}")
+        run_id = run_name({**FIELDS, "model.n_layers": row["n_layers"],
+                           "opt.optimizer": row["optimizer"], "opt.lr": row["lr"],
+                           "train.grad_repair": row["repair"], "seed": row["seed"]})
         record = json.loads((REPO / "docs" / "training_methods" / "runs" / f"{run_id}.json")
                             .read_text())
         assert record["measures"]["fresh_loss_over_lfreq"] == row["fresh_loss_over_lfreq"]
@@ -245,3 +247,12 @@ def test_the_repair_section_matches_its_runs():
     share = [r["update_norm_early"][-1] / r["update_norm_late"][-1] for r in (on, off)]
     assert f"({share[0]:.2f} of theirs, against {share[1]:.3f} without)" in doc
     assert runs[("sgd", 48, True)]["true_dldx_vanished_early"] == 4
+    off96 = runs[("adamw", 96, False)]
+    assert (f"update by {off['update_norm_early'][-1]:.2e} per step at step 300; AdamW's "
+            f"decoupled\n  decay step alone, lr · λ · ‖W‖ over their decayed matrices, is "
+            f"{off['decay_only_update_early']:.2e} there (at 96 layers\n  "
+            f"{off96['update_norm_early'][-1]:.2e} and {off96['decay_only_update_early']:.2e}"
+            ).replace("e-0", "e-") in doc
+    falls = [f"{r['true_dldx_first_over_last_early']:.1e}".replace("e+0", "e")
+             for r in (off, off96)]
+    assert f"fell {falls[0]}× (48 layers) and {falls[1]}× (96)" in doc

@@ -176,7 +176,7 @@ def test_an_archived_run_reads_as_its_directory_replayed(tmp_path):
                  read_metrics(str(tmp_path / "run"))).to_json()},
              "measures": {"first_warn": 40}}
     archived = archived_row("archive", entry, method_label)
-    unkept = ("workdir", "first_watch", "warn_reason")
+    unkept = ("workdir", "first_watch", "warn_reason", "unmeasured")
     assert {k: v for k, v in archived.items() if k not in unkept} == {
         k: v for k, v in replayed.items() if k not in unkept}
     assert archived["workdir"] == "archive/post_seed0.json"
@@ -189,6 +189,10 @@ def test_an_archived_run_reads_as_its_directory_replayed(tmp_path):
                                        "result": {"status": "nonfinite", "config_digest": "d"}},
                            method_label)
     assert not stopped["finished"] and stopped["first_warn"] is None
+    assert not stopped["unmeasured"]
+    for measures in (None, {"fresh_batches": 8}):  # archived without the monitor's measure
+        unmeasured = archived_row("archive", {**entry, "measures": measures}, method_label)
+        assert not unmeasured["finished"] and unmeasured["unmeasured"]
 
 
 def test_the_replay_command_reads_an_archive_and_refuses_another_rule_on_it(tmp_path):

@@ -103,6 +103,7 @@ def test_each_methods_verdict_over_the_cells_where_post_collapses():
 
     def run(method, lr, seed, loss, collapsed=False, status="done"):
         return {"method": method, "layers": 48, "lr": lr, "warmup": 20, "status": status,
+                "seed": seed,
                 "collapsed": collapsed if status == "done" else None, "workdir": f"{method}{seed}",
                 "fresh_loss_over_lfreq": loss if status == "done" else None}
 
@@ -124,8 +125,18 @@ def test_each_methods_verdict_over_the_cells_where_post_collapses():
     assert mixln["largest_gap_to_pre"] == pytest.approx(0.845 - 0.81)
     assert mixln["fresh_loss_over_lfreq_range"] == [0.84, 0.85]
     sandwich = verdicts["sandwich"]  # 0.09 above Pre, one seed missing
-    assert (sandwich["prevented"], sandwich["meets_goal"]) == ("so far", "no")
+    assert (sandwich["prevented"], sandwich["meets_goal"]) == ("so far", "not so far")
     assert (verdicts["adaptive"]["prevented"], verdicts["adaptive"]["nonfinite"]) == ("no", 1)
     assert (verdicts["deepnorm"]["prevented"], verdicts["deepnorm"]["meets_goal"]) == ("no", "no")
     table = verdicts_markdown(list(verdicts.values()), 512)
     assert "| mixln | 1 | 2/2 | 0/2 | 0 | yes | 0.840–0.850 | +0.035 | yes |" in table
+    # nothing final while a run that could change the verdict is missing: Pre-Norm's in a
+    # judged cell (the gap is unknown there), or Post-Norm's in a cell the method ran
+    # (it would add that cell to those judged)
+    pre_missing = [r for r in rows if r["method"] != "pre" or r["seed"] != 1] + [
+        run("pre", 3e-3, 1, 0.0, status="missing")]
+    mixln = {v["method"]: v for v in method_verdicts(aggregate(pre_missing, order))}["mixln"]
+    assert (mixln["prevented"], mixln["meets_goal"]) == ("so far", "so far")
+    post_missing = rows + [run("post", 1e-3, 1, 0.0, status="missing")]
+    mixln = {v["method"]: v for v in method_verdicts(aggregate(post_missing, order))}["mixln"]
+    assert (mixln["prevented"], mixln["meets_goal"]) == ("so far", "so far")

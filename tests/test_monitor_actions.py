@@ -233,14 +233,16 @@ def test_a_run_killed_9_with_a_warning_pending_or_after_a_rollback_resumes_exact
     workdir, log_path = tmp_path / "run", tmp_path / "log.txt"
     with open(log_path, "w") as log:
         process = start_killable(corpus, tmp_path, workdir, pause_at, log)
-        deadline = time.monotonic() + 600
-        # paused, and the checkpoint before the pause written (its save is asynchronous)
-        while not ((workdir / "paused").exists()
-                   and resumes_from in finalized_steps(workdir)):
-            assert process.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "the run never reached its pause"
-            time.sleep(0.05)
-        process.send_signal(signal.SIGKILL)
+        try:
+            deadline = time.monotonic() + 600
+            # paused, and the checkpoint before the pause written (its save is asynchronous)
+            while not ((workdir / "paused").exists()
+                       and resumes_from in finalized_steps(workdir)):
+                assert process.poll() is None, log_path.read_text()[-3000:]
+                assert time.monotonic() < deadline, "the run never reached its pause"
+                time.sleep(0.05)
+        finally:  # the kill the test is about, or cleanup after a failed wait
+            process.send_signal(signal.SIGKILL)
         assert process.wait(timeout=60) == -signal.SIGKILL
     assert max(finalized_steps(workdir)) == resumes_from
     assert (workdir / "monitor_actions.json").exists() == (resumes_from > 9)

@@ -54,6 +54,15 @@ def test_the_study_reads_the_records_as_numpy_does(runs, tmp_path):
         np.testing.assert_allclose(row["true_dldx_first_over_last_early"],
                                    np.exp(np.log(fall).mean()), rtol=1e-12)
         early[repair] = update[:4].mean()
+        # AdamW's decoupled decay alone: lr * weight_decay * ||decayed matrices|| (norm gains
+        # are not decayed by default)
+        config = json.loads((runs / f"repair_{repair}" / "config.json").read_text())
+        assert not config["opt"]["decay_norms_and_embeddings"]
+        (lr,) = [r["train/lr"] for r in records if r["step"] == 8 and "train/lr" in r]
+        decayed = np.sqrt(raw(records, 8, "param_norm_attn") ** 2
+                          + raw(records, 8, "param_norm_ffn") ** 2)
+        assert row["decay_only_update_early"] == pytest.approx(
+            lr * config["opt"]["weight_decay"] * decayed[:4].mean(), rel=1e-12)
         if repair:
             cos = raw(records, 8, "repair_cos")
             assert row["repair_cos_last_median"] == pytest.approx(np.median(cos), rel=1e-12)

@@ -58,14 +58,18 @@ def run_row(workdir: str, label: Label, rule: MonitorRule = DEFAULT_MONITOR) -> 
 
 def archived_row(archive_dir: str, entry: dict, label: Label) -> dict:
     """An archived run's row, from its record: finished when it ended ``done`` with its
-    measures taken (a run stopped on a non-finite step has neither verdict nor warn)."""
-    result, measures = entry["result"], entry.get("measures")
-    finished = result["status"] == "done" and measures is not None and "collapse" in result
+    measures taken (``unmeasured``: archived without them; a run stopped on a non-finite step
+    has neither verdict nor warn)."""
+    result, measures = entry["result"], entry.get("measures") or {}
+    finished = (result["status"] == "done" and "first_warn" in measures
+                and "collapse" in result)
     collapse = result["collapse"] if finished else {"collapsed": False, "collapse_step": None,
                                                     "onset_step": None, "diag_steps": []}
-    return verdict_row(f"{archive_dir}/{entry['run_id']}.json", finished, entry["config"],
-                       label(entry["config"]), collapse, None,
-                       measures["first_warn"] if finished else None, "")
+    row = verdict_row(f"{archive_dir}/{entry['run_id']}.json", finished, entry["config"],
+                      label(entry["config"]), collapse, None,
+                      measures["first_warn"] if finished else None, "")
+    row["unmeasured"] = result["status"] == "done" and not finished
+    return row
 
 
 def markdown(rows: list[dict], rule: MonitorRule = DEFAULT_MONITOR) -> str:

@@ -76,29 +76,49 @@ GOAL_GAP = 0.05  # the architecture issue's bar: within this of Pre-Norm's loss 
 
 def method_verdicts(entries: list[dict]) -> list[dict]:
     """Per method, over the cells where some Post-Norm seed collapsed: its runs there and how
-    they ended, whether it prevented the collapse (``yes``: every planned run done and none
-    collapsed; ``so far``: none of those done collapsed; ``no``: one collapsed or stopped on a
-    non-finite step), its loss / L_freq range and largest gap to Pre-Norm, whether it meets the
-    goal (prevented and every cell within ``GOAL_GAP`` of Pre-Norm), and its cost."""
-    post_collapses = {cell_key(e)[1:] for e in entries if e["method"] == "post" and e["collapsed"]}
+    they ended, whether it prevented the collapse, its loss / L_freq range and largest gap to
+    Pre-Norm, whether it meets the goal (prevented, and every cell within ``GOAL_GAP`` of
+    Pre-Norm), and its cost.
+
+    A verdict is final (``yes``, ``no``) only when nothing missing can change it: ``no`` as soon
+    as one of its runs there collapsed or stopped on a non-finite step (prevented) or, over
+    complete cells, a gap exceeds the bar (goal); ``yes`` only when every planned run of the
+    method, of Pre-Norm in those cells and of Post-Norm in all the method's cells (which decide
+    where it is judged) has finished. Until then ``so far`` (nothing against it yet), ``not so
+    far`` (the goal is missed on the runs so far) or ``–`` (no run to judge)."""
+    post = [e for e in entries if e["method"] == "post"]
+    post_collapses = {cell_key(e)[1:] for e in post if e["collapsed"]}
+    pre = {cell_key(e)[1:]: e for e in entries if e["method"] == "pre"}
     out = []
     for method in dict.fromkeys(e["method"] for e in entries):
-        mine = [e for e in entries if e["method"] == method and cell_key(e)[1:] in post_collapses]
+        everywhere = [e for e in entries if e["method"] == method]
+        mine = [e for e in everywhere if cell_key(e)[1:] in post_collapses]
         planned, done = sum(e["planned"] for e in mine), sum(e["done"] for e in mine)
         collapsed = sum(e["collapsed"] for e in mine)
         nonfinite = sum(e["status"].get("nonfinite", 0) for e in mine)
         gaps = [e["gap_to_pre"] for e in mine if e["gap_to_pre"] is not None]
         losses = [v for e in mine for v in e["fresh_loss_over_lfreq"]]
+        cells = {cell_key(e)[1:] for e in everywhere}
+        complete = (done == planned and len(gaps) == len(mine)
+                    and all(_finished(e) for e in post if cell_key(e)[1:] in cells)
+                    and all(c in pre and _finished(pre[c]) for c in {cell_key(e)[1:]
+                                                                      for e in mine}))
         if collapsed or nonfinite:
             prevented = "no"
         elif not done:
             prevented = "–"
         else:
-            prevented = "yes" if done == planned else "so far"
+            prevented = "yes" if complete else "so far"
         within = None if not gaps else max(gaps) <= GOAL_GAP
-        goal = ("no" if prevented == "no" or within is False else
-                "–" if prevented == "–" or within is None else prevented)
-        costs = next(iter(mine), {})
+        if prevented == "no":
+            goal = "no"
+        elif prevented == "–" or within is None:
+            goal = "–"
+        elif complete:
+            goal = "yes" if within else "no"
+        else:
+            goal = "so far" if within else "not so far"
+        costs = everywhere[0]
         out.append({
             "method": method, "cells": len(mine), "planned": planned, "done": done,
             "collapsed": collapsed, "nonfinite": nonfinite, "prevented": prevented,
@@ -107,6 +127,11 @@ def method_verdicts(entries: list[dict]) -> list[dict]:
             "step_time_vs_post": costs.get("step_time_vs_post"),
             "peak_memory_vs_post": costs.get("peak_memory_vs_post")})
     return out
+
+
+def _finished(entry: dict) -> bool:
+    """Every planned run of the cell ended (done or non-finite)."""
+    return entry["done"] + entry["status"].get("nonfinite", 0) == entry["planned"]
 
 
 def verdicts_markdown(verdicts: list[dict], fresh_batches: int) -> str:
