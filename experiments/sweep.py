@@ -2,7 +2,7 @@
 
     python -m experiments.sweep --sweep configs/sweeps/stability.py --out_dir DIR [--shard i/n]
         [--workers N] [--override key=value ...] [--report_only] [--archive A]
-        [--fresh_batches N]
+        [--fresh_batches N] [--skip_archived A2,...]
 
 Every run's config is built and validated before the first run starts; a bad sweep file or
 field stops the command with exit 2 and one line naming the run. Each run trains into
@@ -30,15 +30,19 @@ finished runs found in DIR:
   record is written, as the leaderboard measures its runs
   (``postnorm.analysis.run_measures``: the cross-entropy on the next N training batches over
   L_freq, min c, the early layers' gradient fall and update norm, the monitor's first warn), so
-  the record keeps them once the run's directory is gone;
+  the record keeps them once the run's directory is gone; ``--skip_archived A2,...`` leaves
+  out the runs whose config another sweep's archive records (the training-time groups share
+  runs with the leaderboard; ``experiments.training_methods`` reads both archives);
 * ``stability_map.png``: per norm placement a depth x lr grid coloured by final loss / L_freq,
   collapsed cells marked C in a red frame, diverged cells marked x, missing ones left blank;
   drawn when the sweep varies depth and lr, and nothing but them and the norm placement.
 """
 
 import functools
+import os
 
-from absl import app, flags
+import ml_collections
+from absl import app, flags, logging
 
 from postnorm.analysis.run_measures import run_measures
 from postnorm.config.args import field_path, parse_flags
@@ -70,6 +74,9 @@ flags.DEFINE_string("archive", None, "Directory of the sweep's archive (postnorm
 flags.DEFINE_integer("fresh_batches", 0, "With --archive: measure each finished run on this "
                      "many training batches after its last step (and the leaderboard's other "
                      "measures) into its record; 0: no measures.", lower_bound=0)
+flags.DEFINE_list("skip_archived", [], "Other sweeps' archives: a run whose config one of them "
+                  "records is not trained here (its record stays there; tables that read both "
+                  "archives, such as experiments.training_methods, find it).")
 FLAGS = flags.FLAGS
 
 
@@ -93,6 +100,18 @@ def process_allocator(base_config: str, specs: list[RunSpec], extra: dict[str, s
     return build_config(base_config, specs[0], extra).runtime.allocator
 
 
+def recorded_in(archives: list[str], configs: list[ml_collections.ConfigDict]) -> list[bool]:
+    """Per config, whether one of ``archives`` records its run."""
+    found = [False] * len(configs)
+    for archive in archives:
+        if not os.path.isdir(archive):
+            raise app.UsageError(f"--skip_archived: {archive} is not a directory; give an "
+                                 "archive written by --archive")
+        found = [f or entry is not None
+                 for f, entry in zip(found, archived_runs(archive, configs), strict=True)]
+    return found
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -109,6 +128,7 @@ def main(argv: list[str]) -> None:
     extra = dict(item.split("=", 1) for item in FLAGS.override)
     check_overrides(specs, extra)
     configs = planned_configs(base_config, specs, extra)
+    elsewhere = recorded_in(FLAGS.skip_archived, configs)
     use_allocator(process_allocator(base_config, specs, extra))  # may re-execute this command
     make_output_dir(FLAGS.out_dir, "--out_dir")
     workdirs = run_workdirs(FLAGS.out_dir, specs, configs)
@@ -116,7 +136,10 @@ def main(argv: list[str]) -> None:
     measure = (functools.partial(run_measures, fresh_batches=FLAGS.fresh_batches)
                if FLAGS.fresh_batches else None)
     if not FLAGS.report_only:
-        mine = shard(list(range(len(specs))), index, count)
+        mine = [i for i in shard(list(range(len(specs))), index, count) if not elsewhere[i]]
+        if skipped := [specs[i].run_id for i in range(len(specs)) if elsewhere[i]]:
+            logging.info("--skip_archived records %d runs, not trained here: %s", len(skipped),
+                         ", ".join(skipped))
         run_sweep([specs[i] for i in mine], [configs[i] for i in mine],
                   [workdirs[i] for i in mine], FLAGS.workers, archive=archive, measure=measure)
     if archive:

@@ -17,6 +17,7 @@ import pytest
 from optax import tree_utils
 
 from postnorm.diagnostics import early_warning
+from postnorm.sweep.record import run_metrics_summary
 from postnorm.train import reporter as reporter_module
 from postnorm.train.loop import train_and_evaluate
 from postnorm.train.monitor_actions import apply_change
@@ -155,6 +156,9 @@ def test_a_rollback_returns_before_the_warn_and_is_bounded_and_recorded(corpus, 
     entries = actions_of(workdir)
     assert [(e["step"], e["actions"], e["rolled_back_to"], e["warned_lr_scale"])
             for e in entries] == [(9, 1, 8, 0.5), (9, 2, 8, 0.25)]
+    # the run's result record (and so a sweep's archive) lists them
+    assert run_metrics_summary(str(workdir))["monitor_actions"] == [
+        {"step": 9, "action": "lr_scale", "actions": n, "rolled_back_to": 8} for n in (1, 2)]
     records = read_records(workdir)
     steps = [r["step"] for r in records if "train/loss" in r]
     assert steps == list(range(1, 13))  # no step twice: the rolled-back records were dropped

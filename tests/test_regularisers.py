@@ -121,3 +121,17 @@ def test_the_collapse_rule_reads_the_cross_entropy_where_it_is_logged():
                {"step": 2, "train/loss": 4.0, "train/ce": 4.5, "train/lfreq": 6.0}]
     assert train_loss_and_floor(records) == [(1, 5.0, 6.0), (2, 4.5, 6.0)]
 
+
+
+def test_a_run_record_keeps_each_part_of_the_objective_over_the_last_steps():
+    """``objective_parts``: per part the mean of its last ``tail`` logged values; none for a
+    plain objective."""
+    from postnorm.sweep.record import objective_parts
+    rng = np.random.default_rng(0)
+    ce, d = rng.uniform(4, 6, 7), rng.uniform(0, 1, 7)
+    records = [{"step": s, "train/loss": c - 0.1 * x, "train/ce": c, "train/diversity": x}
+               for s, (c, x) in enumerate(zip(ce, d, strict=True), 1)]
+    records.insert(3, {"step": 3, "eval/loss": 5.0})
+    assert objective_parts(records, tail=3) == pytest.approx(
+        {"ce": ce[-3:].sum() / 3, "diversity": d[-3:].sum() / 3}, rel=1e-12)
+    assert objective_parts([{"step": 1, "train/loss": 5.0}], tail=3) == {}

@@ -437,12 +437,12 @@ def test_wall_time_sums_every_invocation_including_a_preempted_one(tmp_path):
     other, fresh = small_config(steps=6), str(tmp_path / "fresh")
 
     def preempted_early(cfg, wd):
-        time.sleep(0.3)
+        time.sleep(1.5)  # well above a loaded host's time for the run below
         raise Preempted(0, wd)
 
     with pytest.raises(Preempted):
         run_record.run_once(config, fresh, train_fn=preempted_early)
-    assert run_record.run_once(other, fresh, train_fn=RecordingTrainer())["wall_s"] < 0.3
+    assert run_record.run_once(other, fresh, train_fn=RecordingTrainer())["wall_s"] < 1.5
 
 
 @pytest.mark.parametrize("grid, message", [

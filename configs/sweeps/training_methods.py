@@ -21,6 +21,10 @@ Groups (variant ``<group>`` runs one alone):
 * ``monitor``: Post-Norm with the monitor's lr_scale, layer_lr and clip actions, each after a
   rollback to the checkpoint before the warn, seeds 0-2 (checkpoints every 10 steps, so that a
   rollback returns to just before the warn).
+
+Variant ``controls`` (not among the groups: they are the leaderboard's runs) names Post- and
+Pre-Norm without any remedy at lr 1e-3, seeds 0-2, for the table of
+``python -m experiments.training_methods``, which finds each run by its config in the archives.
 """
 
 BASE_CONFIG = "configs/default.py"
@@ -53,6 +57,9 @@ GROUPS = {
 }
 
 
+CONTROLS = [_run(model__norm=norm, seed=seed) for seed in SEEDS for norm in ("post", "pre")]
+
+
 def run_name(overrides: dict[str, object]) -> str:
     """A run's id: what it changes, e.g. ``post_layers48_adamw_lr0.001_repair_seed0`` or
     ``post_layers48_adamw_lr0.001_monitor-clip-rollback_seed2`` (the same under every variant,
@@ -77,4 +84,6 @@ def get_sweep(arg: str | None = None) -> list[dict[str, object]]:
         return [run for runs in GROUPS.values() for run in runs]
     if arg in GROUPS:
         return GROUPS[arg]
-    raise ValueError(f"unknown sweep variant {arg!r}; known: {', '.join(GROUPS)}")
+    if arg == "controls":
+        return CONTROLS
+    raise ValueError(f"unknown sweep variant {arg!r}; known: {', '.join(GROUPS)}, controls")

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 
 import ml_collections
+import numpy as np
 from absl import logging
 
 from postnorm.analysis.collapse import DEFAULT_RULE, CollapseRule, detect_collapse
@@ -24,6 +25,8 @@ from postnorm.files import FileWriteError, from_text, make_output_dir, write_jso
 from postnorm.model.attention_choice import AUTO
 from postnorm.model.layers import ATTENTION_KERNELS
 from postnorm.train.loop import train_and_evaluate
+from postnorm.train.losses import TERM_NAMES
+from postnorm.train.monitor_actions import recorded_actions
 from postnorm.workdir.config_record import check_run_config
 from postnorm.workdir.layout import Workdir, WorkdirError, latest_checkpoint_step
 from postnorm.workdir.metrics import read_metrics
@@ -87,16 +90,32 @@ def is_finished(workdir: str, config: ml_collections.ConfigDict) -> bool:
     return result["status"] == "done" and latest_checkpoint_step(workdir) == config.train.steps
 
 
-def run_metrics_summary(workdir: str, rule: CollapseRule = DEFAULT_RULE) -> dict:
-    """Loss against L_freq (``run_summary.summarize``) and the collapse detection of a run."""
+def run_metrics_summary(workdir: str, rule: CollapseRule = DEFAULT_RULE, tail: int = 3) -> dict:
+    """Loss against L_freq (``run_summary.summarize``, over the last ``tail`` train steps), the
+    collapse detection, the objective's parts and the monitor's actions in effect of a run."""
     records = read_metrics(workdir)  # holds a train step
-    out: dict = summarize(workdir, early_layers=rule.early_layers)
+    out: dict = summarize(workdir, early_layers=rule.early_layers, tail=tail)
     if any(k.startswith("diag/tsim_attn/") for r in records for k in r):
         out["collapse"] = detect_collapse(records, rule).to_json()
     for key in ("skipped_steps", "rollbacks"):
         values = [r[f"train/{key}"] for r in records if f"train/{key}" in r]
         out[key] = int(values[-1]) if values else 0
+    out["final_train_parts"] = objective_parts(records, tail)
+    out["monitor_actions"] = [{k: entry[k] for k in ("step", "action", "actions",
+                                                     "rolled_back_to")}
+                              for entry in recorded_actions(workdir)]
     return out
+
+
+def objective_parts(records: list[dict], tail: int) -> dict[str, float]:
+    """Each part of the objective (``train/ce`` and the terms of ``losses.TERM_NAMES``) where
+    the run logged parts: its mean over the last ``tail`` train steps that logged it."""
+    parts = {}
+    for name in ("ce", *TERM_NAMES):
+        values = [r[f"train/{name}"] for r in records if f"train/{name}" in r]
+        if values:
+            parts[name] = float(np.mean(values[-tail:]))
+    return parts
 
 
 def _recorded_train_s(workdir: str, config: ml_collections.ConfigDict) -> float:

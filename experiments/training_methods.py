@@ -1,0 +1,69 @@
+"""The training-time remedies' table, from the archives of their runs and of their controls.
+
+    python -m experiments.training_methods --out_dir docs/figures/training_methods
+
+For every group of ``configs/sweeps/training_methods.py`` and its ``controls`` (Post- and
+Pre-Norm with no remedy, the leaderboard's runs), finds each planned run by its config in the
+archives (``--archive``, first match wins) and tabulates per setting: the seeds finished, how
+many collapsed (the project's rule), the fraction of layers at tsim >= 0.99 at the end, the
+cross-entropy on the fresh batches after the last step over L_freq per seed, its gap to the
+control's run of the same seed (same norm, depth, optimizer and lr, no remedy; mean over the
+seeds both finished), the position diversity D at the end of training where the objective
+logged it, the monitor's actions in effect at the end where the record lists them, the
+monitor's first warn and min c. A run not finished yet shows as not done. Writes
+``summary.json`` and ``summary.md`` to --out_dir.
+"""
+
+import os
+
+from absl import app, flags
+
+from postnorm.config.args import load_module
+from postnorm.errors import UserError, exit_on_error
+from postnorm.files import make_output_dir, write_bytes_atomic, write_json_atomic
+from postnorm.sweep.group_table import aggregate, find_records, markdown, run_row
+from postnorm.sweep.plan import plan_file, split_arg
+
+flags.DEFINE_string("sweep", "configs/sweeps/training_methods.py", "The grouped sweep file: "
+                    "it defines GROUPS and a variant ``controls``.")
+flags.DEFINE_list("archive", ["docs/training_methods/runs", "docs/leaderboard/runs"],
+                  "Archives to find the runs in, first match first.")
+flags.DEFINE_string("out_dir", None, "Directory for summary.json and summary.md.")
+flags.DEFINE_integer("fresh_batches", 512, "The fresh batches the runs were measured on (the "
+                     "table's heading).")
+FLAGS = flags.FLAGS
+
+
+class NoRecordsError(UserError):
+    """A sweep file without groups, or no planned run in the archives."""
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    if FLAGS.out_dir is None:
+        raise app.UsageError("--out_dir is required")
+    path = split_arg(FLAGS.sweep)[0]
+    plan_file(path)  # names a missing or malformed sweep file
+    groups = getattr(load_module(path), "GROUPS", None)
+    if not isinstance(groups, dict):
+        raise NoRecordsError(f"--sweep: {path} defines no GROUPS dict of its groups")
+    rows = []
+    for group in [*groups, "controls"]:
+        base, specs = plan_file(f"{path}:{group}")
+        records = find_records(base, specs, FLAGS.archive)
+        rows += [run_row(group, spec, record)
+                 for spec, record in zip(specs, records, strict=True)]
+    if not any(r["status"] != "missing" for r in rows):
+        raise NoRecordsError(f"no run of {path} is in --archive={','.join(FLAGS.archive)}: "
+                             "train them with experiments.sweep --archive first")
+    entries = aggregate(rows)
+    table = markdown(entries, FLAGS.fresh_batches)
+    out_dir = make_output_dir(os.path.abspath(FLAGS.out_dir), "--out_dir")
+    write_json_atomic(os.path.join(out_dir, "summary.json"),
+                      {"archives": FLAGS.archive, "settings": entries, "runs": rows})
+    write_bytes_atomic(os.path.join(out_dir, "summary.md"), table.encode())
+    print(table)
+
+
+if __name__ == "__main__":
+    app.run(exit_on_error(main))
