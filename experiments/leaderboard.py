@@ -28,8 +28,9 @@ final checkpoint, cached in ``<run>/leaderboard.json`` (``postnorm.analysis.run_
   its first warn, the lead to the collapse step on a collapsed run, a false alarm on another.
 
 Each method's cost, the train step's time and peak memory over Post-Norm's, comes from
-side-by-side benchmark runs (``--cost``: ``benchmarks/bench.py`` JSON, by default the two runs
-of docs/PERFORMANCE.md, "The methods that may prevent collapse"), not from training wall times.
+side-by-side benchmark runs (``--cost``: ``benchmarks/bench.py`` JSON, by default the four runs
+of docs/PERFORMANCE.md, "The methods that may prevent collapse": the architecture's methods and
+the training-time ones, each in two orders), not from training wall times.
 
 Per cell (method, depth, lr, warmup) the table gives the seeds finished and how they ended
 (``done``; ``nonfinite``: stopped by a non-finite step; ``missing``: not run yet; ``stale``: a
@@ -106,7 +107,9 @@ flags.DEFINE_string("archive", None, "Directory of the leaderboard's archive: on
                     "per finished run with its measures, written as each ends; runs recorded "
                     "there are not trained again and the table reads them from there.")
 flags.DEFINE_list("cost", ["docs/perf/intel_methods_overhead.json",
-                            "docs/perf/intel_methods_overhead_reversed.json"],
+                            "docs/perf/intel_methods_overhead_reversed.json",
+                            "docs/perf/intel_methods_overhead_training.json",
+                            "docs/perf/intel_methods_overhead_training_reversed.json"],
                   "benchmarks/bench.py JSON files, each timing methods side by side with post "
                   "first: the table's step time and peak memory relative to post (geometric mean "
                   "over the files); empty: no cost columns.")

@@ -100,15 +100,16 @@ def process_allocator(base_config: str, specs: list[RunSpec], extra: dict[str, s
     return build_config(base_config, specs[0], extra).runtime.allocator
 
 
-def recorded_in(archives: list[str], configs: list[ml_collections.ConfigDict]) -> list[bool]:
-    """Per config, whether one of ``archives`` records its run."""
-    found = [False] * len(configs)
+def recorded_in(archives: list[str],
+                configs: list[ml_collections.ConfigDict]) -> list[dict | None]:
+    """Per config, the first of ``archives``' records of its run, or None."""
+    found: list[dict | None] = [None] * len(configs)
     for archive in archives:
         if not os.path.isdir(archive):
             raise app.UsageError(f"--skip_archived: {archive} is not a directory; give an "
                                  "archive written by --archive")
-        found = [f or entry is not None
-                 for f, entry in zip(found, archived_runs(archive, configs), strict=True)]
+        found = [f or entry for f, entry in zip(found, archived_runs(archive, configs),
+                                                 strict=True)]
     return found
 
 
@@ -135,18 +136,23 @@ def main(argv: list[str]) -> None:
     archive = make_output_dir(FLAGS.archive, "--archive") if FLAGS.archive else None
     measure = (functools.partial(run_measures, fresh_batches=FLAGS.fresh_batches)
                if FLAGS.fresh_batches else None)
+    here = [i for i in range(len(specs)) if elsewhere[i] is None]
     if not FLAGS.report_only:
-        mine = [i for i in shard(list(range(len(specs))), index, count) if not elsewhere[i]]
-        if skipped := [specs[i].run_id for i in range(len(specs)) if elsewhere[i]]:
+        mine = shard(list(range(len(specs))), index, count)
+        if skipped := [specs[i].run_id for i in mine if elsewhere[i] is not None]:
             logging.info("--skip_archived records %d runs, not trained here: %s", len(skipped),
                          ", ".join(skipped))
+        mine = [i for i in mine if elsewhere[i] is None]
         run_sweep([specs[i] for i in mine], [configs[i] for i in mine],
                   [workdirs[i] for i in mine], FLAGS.workers, archive=archive, measure=measure)
     if archive:
-        archive_finished(archive, [s.run_id for s in specs], configs, workdirs, measure,
+        archive_finished(archive, [specs[i].run_id for i in here], [configs[i] for i in here],
+                         [workdirs[i] for i in here], measure,
                          lambda measures: measures.get("fresh_batches") != FLAGS.fresh_batches)
+    # a run skipped for another archive's record is tabulated from that record
     rows = write_summary(base_config, specs, FLAGS.out_dir, extra, workdirs,
-                         archived_runs(archive, configs))
+                         [own or other for own, other in zip(archived_runs(archive, configs),
+                                                              elsewhere, strict=True)])
     print(dumps(rows, indent=1))
 
 

@@ -11,7 +11,8 @@ from configs.default import get_config
 from postnorm.analysis.collapse import train_loss_and_floor
 from postnorm.model import ModelSpec
 from postnorm.runtime.mesh import make_mesh
-from postnorm.train.losses import make_loss, position_diversity, z_loss
+from postnorm.sweep.record import objective_parts
+from postnorm.train.losses import TERM_NAMES, make_loss, position_diversity, z_loss
 from postnorm.train.optim import make_optimizer
 from postnorm.train.programs import compile_steps
 
@@ -122,11 +123,9 @@ def test_the_collapse_rule_reads_the_cross_entropy_where_it_is_logged():
     assert train_loss_and_floor(records) == [(1, 5.0, 6.0), (2, 4.5, 6.0)]
 
 
-
 def test_a_run_record_keeps_each_part_of_the_objective_over_the_last_steps():
     """``objective_parts``: per part the mean of its last ``tail`` logged values; none for a
-    plain objective."""
-    from postnorm.sweep.record import objective_parts
+    plain objective. ``TERM_NAMES`` are the terms the objective can have."""
     rng = np.random.default_rng(0)
     ce, d = rng.uniform(4, 6, 7), rng.uniform(0, 1, 7)
     records = [{"step": s, "train/loss": c - 0.1 * x, "train/ce": c, "train/diversity": x}
@@ -135,3 +134,6 @@ def test_a_run_record_keeps_each_part_of_the_objective_over_the_last_steps():
     assert objective_parts(records, tail=3) == pytest.approx(
         {"ce": ce[-3:].sum() / 3, "diversity": d[-3:].sum() / 3}, rel=1e-12)
     assert objective_parts([{"step": 1, "train/loss": 5.0}], tail=3) == {}
+    every_term = get_config("opt.diversity_weight=0.1,opt.z_loss=1e-4,"
+                            "model.residual_budget=penalty")
+    assert sorted(t.name for t in make_loss(every_term).terms) == sorted(TERM_NAMES)

@@ -6,7 +6,8 @@ leaderboard's runs (configs/sweeps/leaderboard.py), the controls.
 
     python -m experiments.sweep --sweep configs/sweeps/training_methods.py \\
         --out_dir runs/training_methods --archive docs/training_methods/runs --workers 2 \\
-        --fresh_batches 512
+        --fresh_batches 512 --skip_archived docs/leaderboard/runs
+    python -m experiments.training_methods --out_dir docs/figures/training_methods
 
 Groups (variant ``<group>`` runs one alone):
 

@@ -92,7 +92,9 @@ def is_finished(workdir: str, config: ml_collections.ConfigDict) -> bool:
 
 def run_metrics_summary(workdir: str, rule: CollapseRule = DEFAULT_RULE, tail: int = 3) -> dict:
     """Loss against L_freq (``run_summary.summarize``, over the last ``tail`` train steps), the
-    collapse detection, the objective's parts and the monitor's actions in effect of a run."""
+    collapse detection, the objective's parts and the monitor's actions in effect of a run
+    (each as ``monitor_actions.json`` has it, with the count of its layers at tsim >= 0.99 in
+    place of their list)."""
     records = read_metrics(workdir)  # holds a train step
     out: dict = summarize(workdir, early_layers=rule.early_layers, tail=tail)
     if any(k.startswith("diag/tsim_attn/") for r in records for k in r):
@@ -101,8 +103,8 @@ def run_metrics_summary(workdir: str, rule: CollapseRule = DEFAULT_RULE, tail: i
         values = [r[f"train/{key}"] for r in records if f"train/{key}" in r]
         out[key] = int(values[-1]) if values else 0
     out["final_train_parts"] = objective_parts(records, tail)
-    out["monitor_actions"] = [{k: entry[k] for k in ("step", "action", "actions",
-                                                     "rolled_back_to")}
+    out["monitor_actions"] = [{k: v for k, v in entry.items() if k != "layers"}
+                              | {"layers_alike": len(entry["layers"])}
                               for entry in recorded_actions(workdir)]
     return out
 

@@ -92,7 +92,7 @@ def position_diversity(logits_BxLxV: jax.Array, targets_BxL: jax.Array,
     return jnp.mean(kl_BxL)
 
 
-TERM_NAMES = ("residual_budget", "z_loss", "diversity")  # the terms make_loss may add
+TERM_NAMES = ("residual_budget", "z_loss", "diversity")  # every term make_loss may add
 
 
 def make_loss(config: ml_collections.ConfigDict) -> Loss:
@@ -102,11 +102,11 @@ def make_loss(config: ml_collections.ConfigDict) -> Loss:
     (``opt.diversity_weight``), each where its weight is set."""
     terms = []
     if config.model.residual_budget == "penalty":
-        terms.append(Term(TERM_NAMES[0], float(config.model.residual_budget_weight),
+        terms.append(Term("residual_budget", float(config.model.residual_budget_weight),
                           residual_budget_hinge))
     if config.opt.z_loss > 0:
-        terms.append(Term(TERM_NAMES[1], float(config.opt.z_loss), z_loss))
+        terms.append(Term("z_loss", float(config.opt.z_loss), z_loss))
     if config.opt.diversity_weight > 0:
-        terms.append(Term(TERM_NAMES[2], -float(config.opt.diversity_weight), position_diversity,
+        terms.append(Term("diversity", -float(config.opt.diversity_weight), position_diversity,
                           cap=float(config.opt.diversity_cap)))
     return Loss(tuple(terms))
