@@ -68,6 +68,31 @@ def test_position_diversity_is_zero_for_one_distribution_and_log_n_for_distinct_
                                rtol=1e-5)
 
 
+def test_position_diversity_has_no_gradient_at_a_collapsed_prediction():
+    """D's minimum (0) is where every position predicts alike, so its gradient vanishes there
+    and grows with the distance from it: the regulariser pushes a network towards diversity
+    only as far as its predictions already differ (central differences in float64, and jax)."""
+    rng = np.random.default_rng(2)
+    base = np.tile(rng.standard_normal(11), (1, 7, 1))
+    direction = rng.standard_normal((1, 7, 11))
+
+    def grad_norm(logits, h=1e-5):
+        grad = np.zeros_like(logits)
+        for index in np.ndindex(logits.shape):
+            step = np.zeros_like(logits)
+            step[index] = h
+            grad[index] = (numpy_diversity(logits + step)
+                           - numpy_diversity(logits - step)) / (2 * h)
+        return np.linalg.norm(grad)
+
+    norms = [grad_norm(base + eps * direction) for eps in (0.0, 1e-2, 1e-1)]
+    assert norms[0] < 1e-8
+    assert norms[1] == pytest.approx(norms[2] / 10, rel=0.05)  # linear in the distance
+    at_collapse = jax.grad(lambda x: position_diversity(x, None, {}))(
+        jnp.asarray(base, jnp.float32))
+    assert float(jnp.linalg.norm(at_collapse)) < 1e-6
+
+
 @pytest.mark.parametrize("weight,cap", [(0.3, 10.0), (0.3, 0.05)])
 def test_the_objective_subtracts_the_capped_diversity_and_adds_the_z_loss(
         logits_and_targets, weight, cap):
