@@ -129,7 +129,9 @@ def test_each_methods_verdict_over_the_cells_where_post_collapses():
     assert (verdicts["adaptive"]["prevented"], verdicts["adaptive"]["nonfinite"]) == ("no", 1)
     assert (verdicts["deepnorm"]["prevented"], verdicts["deepnorm"]["meets_goal"]) == ("no", "no")
     table = verdicts_markdown(list(verdicts.values()), 512)
-    assert "| mixln | 1 | 2/2 | 0/2 | 0 | yes | 0.840–0.850 | +0.035 | yes |" in table
+    assert "| mixln | 1 | 2/2 | 0/2 | 0 | yes | 0.840–0.850 | 0/2 | +0.035 | yes |" in table
+    # at the floor: loss / L_freq >= 0.95 (the collapse rule's band), collapsed or not
+    assert [verdicts[m]["at_floor"] for m in order] == [2, 0, 1, 0, 0, 0]
     # nothing final while a run that could change the verdict is missing: Pre-Norm's in a
     # judged cell (the gap is unknown there), or Post-Norm's in a cell the method ran
     # (it would add that cell to those judged)

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from postnorm.analysis.tables import cell, markdown_table
+from postnorm.diagnostics.early_warning import DEFAULT_RULE
 
 CELL = ("method", "layers", "lr", "warmup")
 
@@ -72,13 +73,16 @@ def aggregate(rows: list[dict], order: Sequence[str],
 
 
 GOAL_GAP = 0.05  # the architecture issue's bar: within this of Pre-Norm's loss / L_freq
+# a run "at the floor": its fresh-batch loss within the collapse rule's band of L_freq
+AT_FLOOR = 1.0 - DEFAULT_RULE.loss_rtol
 
 
 def method_verdicts(entries: list[dict]) -> list[dict]:
     """Per method, over the cells where some Post-Norm seed collapsed: its runs there and how
     they ended, whether it prevented the collapse, its loss / L_freq range and largest gap to
-    Pre-Norm, whether it meets the goal (prevented, and every cell within ``GOAL_GAP`` of
-    Pre-Norm), and its cost.
+    Pre-Norm, how many of its runs there ended at the unigram floor (loss / L_freq at least
+    ``AT_FLOOR``, collapsed or not), whether it meets the goal (prevented, and every cell
+    within ``GOAL_GAP`` of Pre-Norm), and its cost.
 
     A verdict is final (``yes``, ``no``) only when nothing missing can change it: ``no`` as soon
     as one of its runs there collapsed or stopped on a non-finite step (prevented) or, over
@@ -123,7 +127,8 @@ def method_verdicts(entries: list[dict]) -> list[dict]:
             "method": method, "cells": len(mine), "planned": planned, "done": done,
             "collapsed": collapsed, "nonfinite": nonfinite, "prevented": prevented,
             "fresh_loss_over_lfreq_range": [min(losses), max(losses)] if losses else None,
-            "largest_gap_to_pre": max(gaps) if gaps else None, "meets_goal": goal,
+            "largest_gap_to_pre": max(gaps) if gaps else None,
+            "at_floor": sum(v >= AT_FLOOR for v in losses), "meets_goal": goal,
             "step_time_vs_post": costs.get("step_time_vs_post"),
             "peak_memory_vs_post": costs.get("peak_memory_vs_post")})
     return out
@@ -137,12 +142,14 @@ def _finished(entry: dict) -> bool:
 def verdicts_markdown(verdicts: list[dict], fresh_batches: int) -> str:
     header = ["method", "cells where post collapses", "runs done", "collapsed", "non-finite",
               "prevented the collapse", f"loss / L_freq ({fresh_batches} fresh batches)",
+              f"at the floor (≥ {AT_FLOOR:g} × L_freq)",
               "largest gap to pre", f"goal: prevented, within {GOAL_GAP} of pre",
               "step time / post", "peak memory / post"]
     rows = [[v["method"], str(v["cells"]), f"{v['done']}/{v['planned']}",
              f"{v['collapsed']}/{v['done']}", str(v["nonfinite"]), v["prevented"],
              ("–" if v["fresh_loss_over_lfreq_range"] is None else
               "{:.3f}–{:.3f}".format(*v["fresh_loss_over_lfreq_range"])),
+             f"{v['at_floor']}/{v['done']}",
              cell(v["largest_gap_to_pre"], "+.3f"), v["meets_goal"],
              cell(v["step_time_vs_post"], ".3f"), cell(v["peak_memory_vs_post"], ".4f")]
             for v in verdicts]
