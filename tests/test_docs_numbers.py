@@ -1,10 +1,12 @@
 """Numbers the docs cite, against the committed outputs of the commands beside them."""
 
+import collections
 import json
 import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from configs.sweeps.training_methods import FIELDS, run_name
@@ -35,6 +37,38 @@ def test_the_early_warning_table_matches_its_replays():
                   for line in alarms) == ["periln 0.003", "sandwich 0.003"]
     assert "| 2 | 3 of 3 | 160–180 steps (16–18 intervals) | 2: sandwich and Peri-LN at lr 3e-3 |" \
         in doc
+
+
+def test_the_leaderboard_archive_replay_matches_its_json():
+    """docs/DIAGNOSTICS.md's row for the monitor replayed over the leaderboard's archive."""
+    rows = json.loads((EARLY_WARNING / "replay_leaderboard_archive.json").read_text())["runs"]
+    board = json.loads((REPO / "docs" / "leaderboard" / "leaderboard.json").read_text())
+    archived = list((REPO / "docs" / "leaderboard" / "runs").glob("*.json"))
+    finished = [r for r in rows if r["finished"]]
+    assert len(finished) == len(rows) == len(archived)  # every archived run, all measured
+    collapsing = [r for r in finished if r["collapsed"]]
+    quiet = [r for r in finished if not r["collapsed"]]
+    alarms = collections.Counter(r["method"] for r in quiet if r["false_alarm"])
+    leads = [r["lead_steps"] for r in collapsing]
+    listed = ", ".join(f"{m} {n}" for m, n in sorted(alarms.items(), key=lambda i: (-i[1], i[0])))
+    row = (f"| {len(finished)} of the leaderboard | {sum(not r['missed'] for r in collapsing)} of "
+           f"{len(collapsing)} | {min(leads)}–{max(leads)} steps | {sum(alarms.values())} of "
+           f"{len(quiet)}: {listed}; none on Pre-Norm or a published baseline |")
+    doc = (REPO / "docs" / "DIAGNOSTICS.md").read_text()
+    assert row in doc, row
+    baselines = {"pre", "deepnorm", "mixln", "sandwich", "periln", "b2t", "b2t_rescaled",
+                 "post_qk_norm", "post_z_loss"}
+    assert not baselines & set(alarms)
+    loss = {(r["method"], r["lr"], r["seed"]): r["fresh_loss_over_lfreq"]
+            for r in board["runs"] if r["status"] == "done"}
+    at_floor = [r for r in quiet if r["false_alarm"]
+                and loss[(r["method"], r["lr"], r["seed"])] >= 0.95]
+    assert len(at_floor) == sum(alarms.values()) - alarms["adaptive"]
+    learned = sorted(loss[(r["method"], r["lr"], r["seed"])] for r in quiet
+                     if r["false_alarm"] and r["method"] == "adaptive")
+    assert (f"{len(at_floor)} are on runs that ended at the unigram floor" in doc
+            and f"which then learned ({learned[0]:.3f}–{learned[-1]:.3f} × L_freq)"
+            in " ".join(doc.split()))
 
 
 def test_the_backward_decay_section_matches_its_json():
@@ -173,15 +207,42 @@ def test_the_committed_leaderboard_is_its_archive_tabulated(tmp_path):
         assert board["costs"][method]["step_time_vs_post"] == pytest.approx(
             (ratios[0] * ratios[1]) ** 0.5, rel=1e-12)
         assert board["costs"][method]["benchmark_runs"] == 2
-    # the prose's figures, from the runs' rows
-    row = {(r["method"], r["lr"], r["seed"]): r
-           for r in runs if r["status"] == "done"}
-    adaptive = [row[("adaptive", lr, 0)]["fresh_loss_over_lfreq"] for lr in (1e-3, 3e-3)]
-    pre = [row[("pre", lr, 0)]["fresh_loss_over_lfreq"] for lr in (1e-3, 3e-3)]
-    assert f"**{adaptive[0]:.3f} and {adaptive[1]:.3f} × L_freq**" in doc
-    assert f"That is {adaptive[0] - pre[0]:.3f} and {adaptive[1] - pre[1]:.3f} above" in doc
+    # the per-method verdicts: the committed table and the JSON's
+    verdicts = (LEADERBOARD / "leaderboard_methods.md").read_text()
+    assert verdicts.strip() in doc
+    assert (tmp_path / "leaderboard_methods.md").read_text() == verdicts
+    assert json.loads((tmp_path / "leaderboard.json").read_text())["methods"] == board["methods"]
+    by_method = {v["method"]: v for v in board["methods"]}
+    prevented = [m for m, v in by_method.items() if v["prevented"] == "yes" and m != "pre"]
+    assert sorted(prevented) == sorted(["mixln", "sandwich", "periln", "post_budget_scale",
+                                        "post_budget_penalty", "adaptive"])
+    assert not any(v["meets_goal"] == "yes" for m, v in by_method.items() if m != "pre")
+    # the prose's figures, from the cells and the runs' rows
+    cell = {(e["method"], e["lr"]): e for e in board["cells"]}
+
+    def mean_sd(method, lr):
+        values = cell[(method, lr)]["fresh_loss_over_lfreq"]
+        return f"{np.mean(values):.3f} ± {np.std(values):.3f}"
+
+    def gap(method, lr):
+        return f"+{cell[(method, lr)]['gap_to_pre']:.3f}"
+
+    assert (f"at {mean_sd('adaptive', 1e-3)} (lr 1e-3) and {mean_sd('adaptive', 3e-3)} (lr "
+            f"3e-3) ×\n   L_freq, gaps **{gap('adaptive', 1e-3)} and {gap('adaptive', 3e-3)}**"
+            ) in doc
+    assert (f"{mean_sd('periln', 1e-3)} and {mean_sd('sandwich', 1e-3)} × L_freq at lr 1e-3 "
+            f"(Pre-Norm {mean_sd('pre', 1e-3)})") in " ".join(doc.split())
+    assert f"gaps of {gap('periln', 1e-3)}/{gap('sandwich', 1e-3)} and {gap('periln', 3e-3)}" \
+        in " ".join(doc.split())
+    assert gap("periln", 3e-3) == gap("sandwich", 3e-3)
+    assert f"Mix-LN** is within it at lr 1e-3 ({gap('mixln', 1e-3)}; {mean_sd('mixln', 1e-3)})" \
+        in " ".join(doc.split())
+    row = {(r["method"], r["lr"], r["seed"]): r for r in runs if r["status"] == "done"}
     scale = row[("post_budget_scale", 1e-3, 0)]
-    assert f"min c at **{scale['min_c']:.7f}**" in doc and not scale["collapsed"]
+    assert f"seed 0: **{scale['min_c']:.7f}**" in doc and not scale["collapsed"]
+    assert min(row[("post_budget_scale", 1e-3, s)]["min_c"] for s in range(3)) > 0.89999
+    low = sorted(row[("post_budget_scale", 3e-3, s)]["min_c"] for s in range(3))
+    assert f"{low[0]:.3f}–{low[-1]:.3f}" in doc
 
 
 def test_the_paper_width_section_matches_its_outputs():

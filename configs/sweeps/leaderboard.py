@@ -32,9 +32,11 @@ so about 7 at 24, 3.5 at 12 and 28 at 96. What it runs, and what it cuts:
 
 That is 50 + 60 + 7 runs, about 1,110 worker-minutes, 9 h with ``--workers 2``. A host with more
 cores runs the whole grid, or shards it with ``--shard i/n``. ``BEST`` are the three methods
-that did not collapse at either learning rate in seed 0 of an earlier run of the arrangements,
-before the paper's improvements had finished (docs/METHODS.md); revise it when the 108 runs are
-in.
+that prevented the collapse on all six of their runs at 48 layers with the smallest largest gap
+to Pre-Norm's loss (docs/LEADERBOARD.md: sandwich and Peri-LN +0.080, Mix-LN +0.103; the
+adaptive placement, +0.108, is fourth and is in ``DEPTH_METHODS``). Chosen when every method
+that could still prevent it had its six runs in; the methods with runs left had collapsed on
+one already.
 """
 
 from configs.default import get_config
