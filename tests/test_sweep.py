@@ -565,7 +565,7 @@ def test_the_leaderboard_grid_holds_the_108_runs_and_gives_each_cell_its_seeds()
     grid_digests = {config_digest(c) for c in sweep_runner.planned_configs(base, grid, {})}
     core_digests = {config_digest(c) for c in sweep_runner.planned_configs(
         *sweep.plan_file("configs/sweeps/leaderboard.py"), {})}
-    assert len(grid) == len(grid_digests) == 225 and core_digests <= grid_digests
+    assert len(grid) == len(grid_digests) == 247 and core_digests <= grid_digests
     core_ids = {s.run_id for s in sweep.plan_file("configs/sweeps/leaderboard.py")[1]}
     assert core_ids <= {s.run_id for s in grid}  # a run keeps its id (and archive record)
     assert "post_grad_repair_layers96_lr0.001_warmup20_seed0" in {s.run_id for s in grid}
@@ -579,7 +579,7 @@ def test_the_leaderboard_grid_holds_the_108_runs_and_gives_each_cell_its_seeds()
     assert all(len(s) == 3 for (method, layers, _, _), s in seeds.items() if layers == 48)
     assert {m for m, layers, _, _ in seeds if layers == 96} == set(leaderboard.DEPTH_METHODS)
     assert {m for m, layers, _, _ in seeds if layers in (12, 24)} == {"post", "pre",
-                                                                      *leaderboard.BEST}
+                                                                      *leaderboard.FOCUS}
     assert not any(layers == 12 and warmup == 100 for _, layers, _, warmup in seeds)
 
 
