@@ -323,3 +323,33 @@ def test_the_repair_section_matches_its_runs():
     falls = [f"{r['true_dldx_first_over_last_early']:.1e}".replace("e+0", "e")
              for r in (off, off96)]
     assert f"fell {falls[0]}× (48 layers) and {falls[1]}× (96)" in doc
+
+
+def test_the_training_methods_tables_are_their_archives_tabulated(tmp_path):
+    """docs/METHODS.md's monitor and regulariser tables are rows of the committed
+    docs/figures/training_methods/summary.md, which the command beside them rebuilds from the
+    two archives alone."""
+    figures = REPO / "docs" / "figures" / "training_methods"
+    table = (figures / "summary.md").read_text()
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.training_methods", f"--out_dir={tmp_path}"],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env=subprocess_env(None))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "summary.md").read_text() == table
+    doc = (REPO / "docs" / "METHODS.md").read_text()
+    rows = [line for line in doc.splitlines() if line.startswith(
+        ("| monitor |", "| regulariser |", "| z_loss |", "| controls |"))]
+    assert len(rows) >= 4 and all(row in table.splitlines() for row in rows)
+    settings = {e["setting"]: e for e in
+                json.loads((figures / "summary.json").read_text())["settings"]}
+    gap = {action: settings[f"post_layers48_adamw_lr0.001_monitor-{action}-rollback"]
+           for action in ("lr_scale", "layer_lr", "clip")}
+    assert all(e["done"] == 3 and e["gap_to_control"] is not None for e in gap.values())
+    assert (f"({gap['layer_lr']['gap_to_control']:+.3f} and {gap['clip']['gap_to_control']:+.3f} "
+            f"on average), and `lr_scale` above it ({gap['lr_scale']['gap_to_control']:+.3f})"
+            ) in " ".join(doc.split())
+    rescued = [e for e in gap.values() for loss in e["fresh_loss_over_lfreq"] if loss < 0.95]
+    assert not rescued and "**No action rescues the run on any seed.**" in doc
+    not_collapsed = sum(e["done"] - e["collapsed"] for e in gap.values())
+    words = {3: "three", 4: "four"}
+    assert f"The rule calls {words[not_collapsed]} of the nine runs not collapsed" in doc
