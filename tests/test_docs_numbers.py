@@ -353,3 +353,16 @@ def test_the_training_methods_tables_are_their_archives_tabulated(tmp_path):
     not_collapsed = sum(e["done"] - e["collapsed"] for e in gap.values())
     words = {3: "three", 4: "four"}
     assert f"The rule calls {words[not_collapsed]} of the nine runs not collapsed" in doc
+    # the regulariser and the z-loss: paired gaps, the collapses, D at the end
+    post, pre = "post_layers48_adamw_lr0.001", "pre_layers48_adamw_lr0.001"
+    flat = " ".join(doc.split())
+    for name in (f"{post}_diversity0.1", f"{post}_diversity0.3", f"{pre}_diversity0.1",
+                 f"{pre}_diversity0.3", f"{post}_zloss0.0001"):
+        assert settings[name]["done"] == 3
+        assert f"{settings[name]['gap_to_control']:+.3f}" in flat
+    regularised = [settings[f"{post}_diversity{w}"] for w in ("0.1", "0.3")]
+    assert sum(e["collapsed"] for e in regularised) == 5 and "five of the six runs collapse" in flat
+    assert all(d is None or d < 5e-4 for e in regularised for d in e["final_diversity"])
+    for weight, text in (("0.1", "0.55–0.60"), ("0.3", "0.70–0.75")):
+        d = settings[f"{pre}_diversity{weight}"]["final_diversity"]
+        assert f"{min(d):.2f}–{max(d):.2f}" == text and text in flat
