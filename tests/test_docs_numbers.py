@@ -366,3 +366,26 @@ def test_the_training_methods_tables_are_their_archives_tabulated(tmp_path):
     for weight, text in (("0.1", "0.55–0.60"), ("0.3", "0.70–0.75")):
         d = settings[f"{pre}_diversity{weight}"]["final_diversity"]
         assert f"{min(d):.2f}–{max(d):.2f}" == text and text in flat
+
+
+def test_every_method_trains_on_the_blocked_kernel_as_on_the_cpp_one():
+    """docs/METHODS.md's kernel check: each blocked-kernel record against the leaderboard's
+    record of the same method, lr 3e-3, seed 0 (the C++ kernel)."""
+    blocked = sorted((REPO / "docs" / "leaderboard" / "blocked").glob("*.json"))
+    assert len(blocked) == 18
+    gaps = {}
+    for path in blocked:
+        run = json.loads(path.read_text())
+        assert run["config"]["model"]["attention"] == "blocked"
+        cpp = json.loads((LEADERBOARD / "runs" / path.name.replace("_blocked", "")).read_text())
+        assert cpp["config"]["model"]["attention"] in ("auto", "cpu")
+        for record in (run["result"], cpp["result"]):
+            assert (record["status"], record["skipped_steps"], record["rollbacks"]) == \
+                ("done", 0, 0)
+        assert run["result"]["collapse"]["collapsed"] == cpp["result"]["collapse"]["collapsed"]
+        gaps[path.name.split("_layers")[0]] = abs(run["result"]["train_loss_over_lfreq"]
+                                                  - cpp["result"]["train_loss_over_lfreq"])
+    wide = {"mixln", "sandwich", "periln"}
+    assert max(gaps.values()) < 0.0155 and max(gaps[m] for m in gaps if m not in wide) < 0.003
+    assert f"{max(gaps.values()):.3f} (Mix-LN, sandwich and Peri-LN" in \
+        " ".join((REPO / "docs" / "METHODS.md").read_text().split())
