@@ -39,9 +39,7 @@ finished runs found in DIR:
 """
 
 import functools
-import os
 
-import ml_collections
 from absl import app, flags, logging
 
 from postnorm.analysis.run_measures import run_measures
@@ -49,7 +47,7 @@ from postnorm.config.args import field_path, parse_flags
 from postnorm.errors import exit_on_error
 from postnorm.files import dumps, make_output_dir
 from postnorm.runtime.allocator import use_allocator
-from postnorm.sweep.archive import archive_finished, archived_runs
+from postnorm.sweep.archive import archive_finished, archived_runs, first_records
 from postnorm.sweep.plan import (
     RunSpec,
     build_config,
@@ -100,19 +98,6 @@ def process_allocator(base_config: str, specs: list[RunSpec], extra: dict[str, s
     return build_config(base_config, specs[0], extra).runtime.allocator
 
 
-def recorded_in(archives: list[str],
-                configs: list[ml_collections.ConfigDict]) -> list[dict | None]:
-    """Per config, the first of ``archives``' records of its run, or None."""
-    found: list[dict | None] = [None] * len(configs)
-    for archive in archives:
-        if not os.path.isdir(archive):
-            raise app.UsageError(f"--skip_archived: {archive} is not a directory; give an "
-                                 "archive written by --archive")
-        found = [f or entry for f, entry in zip(found, archived_runs(archive, configs),
-                                                 strict=True)]
-    return found
-
-
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -129,7 +114,7 @@ def main(argv: list[str]) -> None:
     extra = dict(item.split("=", 1) for item in FLAGS.override)
     check_overrides(specs, extra)
     configs = planned_configs(base_config, specs, extra)
-    elsewhere = recorded_in(FLAGS.skip_archived, configs)
+    elsewhere = first_records(FLAGS.skip_archived, configs, "--skip_archived")
     use_allocator(process_allocator(base_config, specs, extra))  # may re-execute this command
     make_output_dir(FLAGS.out_dir, "--out_dir")
     workdirs = run_workdirs(FLAGS.out_dir, specs, configs)

@@ -142,5 +142,5 @@ def test_the_groups_table_without_records_or_groups_is_one_line(tmp_path):
     assert nowhere.returncode == 2 and "--archive: " in nowhere.stderr.strip().splitlines()[-1]
     bad = run("experiments.sweep", "--sweep=configs/sweeps/training_methods.py:z_loss",
               f"--out_dir={tmp_path / 'runs'}", f"--skip_archived={tmp_path / 'nowhere'}")
-    assert bad.returncode == 1 and "--skip_archived" in bad.stderr.strip().splitlines()[-1]
+    assert bad.returncode == 2 and "--skip_archived" in bad.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "out").exists() and not (tmp_path / "runs").exists()

@@ -95,6 +95,22 @@ def archived_runs(archive_dir: str | None,
     return found
 
 
+def first_records(archive_dirs: list[str], configs: list[ml_collections.ConfigDict],
+                  flag: str) -> list[dict | None]:
+    """Per planned config, the record of its run in the first of ``archive_dirs`` that holds
+    one (with ``archive``: that directory), or None; a directory that does not exist is
+    refused (``ArchiveError`` naming ``flag``)."""
+    found: list[dict | None] = [None] * len(configs)
+    for archive_dir in archive_dirs:
+        if not os.path.isdir(archive_dir):
+            raise ArchiveError(f"{flag}: {archive_dir} is not a directory; give an archive "
+                               "written by experiments.sweep or experiments.leaderboard "
+                               "--archive")
+        found = [f or (entry and {**entry, "archive": archive_dir})
+                 for f, entry in zip(found, archived_runs(archive_dir, configs), strict=True)]
+    return found
+
+
 def run_and_archive(archive_dir: str, measure: Measure | None,
                     config: ml_collections.ConfigDict, workdir: str, label: str,
                     run_id: str) -> str:

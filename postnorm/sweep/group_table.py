@@ -8,7 +8,6 @@ A grouped sweep file (``configs/sweeps/training_methods.py``) defines ``GROUPS``
 a run is its setting's control when every field outside ``CONTROL_FIELDS`` and the seed is at
 its ``FIELDS`` value."""
 
-import os
 import re
 
 import ml_collections
@@ -16,7 +15,7 @@ import numpy as np
 
 from postnorm.analysis.tables import cell, markdown_table
 from postnorm.errors import UserError
-from postnorm.sweep.archive import archived_runs
+from postnorm.sweep.archive import first_records
 from postnorm.sweep.plan import RunSpec, build_config
 
 CONTROL_FIELDS = ("model.norm", "model.n_layers", "opt.optimizer", "opt.lr", "opt.weight_decay")
@@ -44,18 +43,9 @@ def find_records(base_config: str, specs: list[RunSpec],
                  archives: list[str]) -> tuple[list[ml_collections.ConfigDict],
                                                 list[dict | None]]:
     """The runs' configs, and per run its record in the first of ``archives`` that holds its
-    config, or None; an archive that is not a directory is refused."""
+    config, or None (``archive.first_records``)."""
     configs = [build_config(base_config, spec) for spec in specs]
-    found: list[dict | None] = [None] * len(specs)
-    for archive in archives:
-        if not os.path.isdir(archive):
-            raise GroupTableError(f"--archive: {archive} is not a directory; give archives "
-                                  "written by experiments.sweep or experiments.leaderboard "
-                                  "--archive")
-        for i, entry in enumerate(archived_runs(archive, configs)):
-            if found[i] is None and entry is not None:
-                found[i] = {**entry, "archive": archive}
-    return configs, found
+    return configs, first_records(archives, configs, "--archive")
 
 
 def run_row(group: str, spec: RunSpec, config: ml_collections.ConfigDict,
