@@ -207,28 +207,34 @@ def plot(path: str, entries: list[dict]) -> None:
     methods = [m for m in METHODS if any(e["method"] == m for e in entries)]
     cells = sorted({cell_key(e)[1:] for e in entries})
     grid = np.full((len(methods), len(cells)), np.nan)
-    fig, ax = plt.subplots(figsize=(1.1 * len(cells) + 3, 0.42 * len(methods) + 2))
+    fig, ax = plt.subplots(figsize=(max(1.1 * len(cells) + 3, 6.5), 0.42 * len(methods) + 2))
     by_key = {cell_key(e): e for e in entries}
+    for i, method in enumerate(methods):
+        for j, c in enumerate(cells):
+            e = by_key.get((method, *c))
+            if e is not None and e["fresh_loss_over_lfreq"]:
+                grid[i, j] = np.mean(e["fresh_loss_over_lfreq"])
+    image = ax.imshow(grid, cmap="viridis_r", aspect="auto")
     for i, method in enumerate(methods):
         for j, c in enumerate(cells):
             e = by_key.get((method, *c))
             if e is None:
                 continue
-            if e["fresh_loss_over_lfreq"]:
-                grid[i, j] = np.mean(e["fresh_loss_over_lfreq"])
             label = f"{grid[i, j]:.3f}" if np.isfinite(grid[i, j]) else ""
             if e["collapsed"]:
                 label += f"\nC {e['collapsed']}/{e['done']}"
                 ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, ec="red", lw=2))
             if e["status"].get("nonfinite"):
                 label += f"\nx {e['status']['nonfinite']}"
-            ax.text(j, i, label, ha="center", va="center", fontsize=7)
-    image = ax.imshow(grid, cmap="viridis_r", aspect="auto")
+            dark = np.isfinite(grid[i, j]) and image.norm(grid[i, j]) > 0.6
+            ax.text(j, i, label, ha="center", va="center", fontsize=7,
+                    color="white" if dark else "black")
     ax.set_yticks(range(len(methods)), methods)
     ax.set_xticks(range(len(cells)), [f"{layers}L lr {lr:g}\nwarmup {w}"
                                       for layers, lr, w in cells], fontsize=7)
     fig.colorbar(image, ax=ax, label="loss / L_freq on fresh batches (mean over seeds)")
-    ax.set_title("The collapse leaderboard (C k/n: k of n seeds collapsed; x: non-finite stop)")
+    ax.set_title("The collapse leaderboard\n(C k/n: k of n seeds collapsed; x: non-finite stop)",
+                 fontsize=10)
     fig.tight_layout()
     save_figure(fig, path, dpi=110)
 
