@@ -411,8 +411,10 @@ def test_a_config_trained_in_two_archives_gives_the_same_run():
     timing = {"finished_at", "wall_s", "resumed_from_step"}
     for first, second in pairs:
         assert first["config"] == second["config"]
-        assert {k: v for k, v in first["result"].items() if k not in timing} == \
-            {k: v for k, v in second["result"].items() if k not in timing}
+        # a field one record lacks is one its commit did not keep yet (postnorm.sweep.record)
+        shared = (first["result"].keys() & second["result"].keys()) - timing
+        assert {"final_train_loss", "collapse", "diag_steps", "lfreq"} <= shared
+        assert {k: first["result"][k] for k in shared} == {k: second["result"][k] for k in shared}
         assert first["measures"] == second["measures"]
     assert f"{len(pairs)} configs trained in both" in " ".join(
         (REPO / "docs" / "LEADERBOARD.md").read_text().split())
