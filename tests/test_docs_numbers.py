@@ -224,7 +224,9 @@ def test_the_committed_leaderboard_is_its_archive_tabulated(tmp_path):
                                         "post_budget_penalty", "adaptive"])
     assert not any(v["meets_goal"] == "yes" for m, v in by_method.items() if m != "pre")
     # the prose's figures, from the cells and the runs' rows
-    cell = {(e["method"], e["lr"]): e for e in board["cells"]}
+    # the default config's cells (48 layers, warmup 20), as the prose cites them
+    cell = {(e["method"], e["lr"]): e for e in board["cells"]
+            if (e["layers"], e["warmup"]) == (48, 20)}
 
     def mean_sd(method, lr):
         values = cell[(method, lr)]["fresh_loss_over_lfreq"]
@@ -243,7 +245,8 @@ def test_the_committed_leaderboard_is_its_archive_tabulated(tmp_path):
     assert gap("periln", 3e-3) == gap("sandwich", 3e-3)
     assert f"Mix-LN** is within it at lr 1e-3 ({gap('mixln', 1e-3)}; {mean_sd('mixln', 1e-3)})" \
         in " ".join(doc.split())
-    row = {(r["method"], r["lr"], r["seed"]): r for r in runs if r["status"] == "done"}
+    row = {(r["method"], r["lr"], r["seed"]): r for r in runs
+           if r["status"] == "done" and (r["layers"], r["warmup"]) == (48, 20)}
     scale = row[("post_budget_scale", 1e-3, 0)]
     assert f"seed 0: **{scale['min_c']:.7f}**" in doc and not scale["collapsed"]
     assert min(row[("post_budget_scale", 1e-3, s)]["min_c"] for s in range(3)) > 0.89999
