@@ -206,14 +206,11 @@ def plot(path: str, entries: list[dict]) -> None:
     ``C k/n`` in a red frame, runs stopped by a non-finite step ``x``, cells not run blank."""
     methods = [m for m in METHODS if any(e["method"] == m for e in entries)]
     cells = sorted({cell_key(e)[1:] for e in entries})
-    grid = np.full((len(methods), len(cells)), np.nan)
-    fig, ax = plt.subplots(figsize=(max(1.1 * len(cells) + 3, 6.5), 0.42 * len(methods) + 2))
     by_key = {cell_key(e): e for e in entries}
-    for i, method in enumerate(methods):
-        for j, c in enumerate(cells):
-            e = by_key.get((method, *c))
-            if e is not None and e["fresh_loss_over_lfreq"]:
-                grid[i, j] = np.mean(e["fresh_loss_over_lfreq"])
+    means = {key: np.mean(e["fresh_loss_over_lfreq"]) for key, e in by_key.items()
+             if e["fresh_loss_over_lfreq"]}
+    grid = np.array([[means.get((m, *c), np.nan) for c in cells] for m in methods], dtype=float)
+    fig, ax = plt.subplots(figsize=(max(1.1 * len(cells) + 3, 6.5), 0.42 * len(methods) + 2))
     image = ax.imshow(grid, cmap="viridis_r", aspect="auto")
     for i, method in enumerate(methods):
         for j, c in enumerate(cells):
