@@ -203,7 +203,8 @@ def progress(configs: list[ml_collections.ConfigDict], rows: list[dict], workers
 
 def plot(path: str, entries: list[dict]) -> None:
     """Methods x cells coloured by the mean fresh-batch loss / L_freq; collapsed seeds marked
-    ``C k/n`` in a red frame, runs stopped by a non-finite step ``x``, cells not run blank."""
+    ``C k/n`` in a red frame, runs stopped by a non-finite step ``x``, runs of the plan not
+    trained yet ``n to run``; cells outside the plan blank."""
     methods = [m for m in METHODS if any(e["method"] == m for e in entries)]
     cells = sorted({cell_key(e)[1:] for e in entries})
     by_key = {cell_key(e): e for e in entries}
@@ -223,15 +224,17 @@ def plot(path: str, entries: list[dict]) -> None:
                 ax.add_patch(plt.Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, ec="red", lw=2))
             if e["status"].get("nonfinite"):
                 label += f"\nx {e['status']['nonfinite']}"
+            if e["status"].get("missing"):
+                label += f"\n{e['status']['missing']} to run"
             dark = np.isfinite(grid[i, j]) and image.norm(grid[i, j]) > 0.6
-            ax.text(j, i, label, ha="center", va="center", fontsize=7,
+            ax.text(j, i, label.strip("\n"), ha="center", va="center", fontsize=7,
                     color="white" if dark else "black")
     ax.set_yticks(range(len(methods)), methods)
     ax.set_xticks(range(len(cells)), [f"{layers}L lr {lr:g}\nwarmup {w}"
                                       for layers, lr, w in cells], fontsize=7)
     fig.colorbar(image, ax=ax, label="loss / L_freq on fresh batches (mean over seeds)")
-    ax.set_title("The collapse leaderboard\n(C k/n: k of n seeds collapsed; x: non-finite stop)",
-                 fontsize=10)
+    ax.set_title("The collapse leaderboard\n(C k/n: k of n seeds collapsed; x: non-finite stop;\n"
+                 "n to run: runs of the plan not trained yet)", fontsize=10)
     fig.tight_layout()
     save_figure(fig, path, dpi=110)
 
