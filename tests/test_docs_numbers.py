@@ -228,27 +228,30 @@ def test_the_committed_leaderboard_is_its_archive_tabulated(tmp_path):
                                         "post_budget_penalty", "adaptive"])
     assert not any(v["meets_goal"] == "yes" for m, v in by_method.items() if m != "pre")
     # the prose's figures, from the cells and the runs' rows
-    # the default config's cells (48 layers, warmup 20), as the prose cites them
-    cell = {(e["method"], e["lr"]): e for e in board["cells"]
-            if (e["layers"], e["warmup"]) == (48, 20)}
+    grid = {(e["method"], e["layers"], e["lr"], e["warmup"]): e for e in board["cells"]}
+    flat = " ".join(doc.split())
 
+    def loss(method, layers, lr, warmup):
+        values = grid[(method, layers, lr, warmup)]["fresh_loss_over_lfreq"]
+        return f"{np.mean(values):.3f}" + (f" ± {np.std(values):.3f}" if len(values) > 1 else "")
+
+    # the default config's cells (48 layers, warmup 20), as most of the prose cites them
     def mean_sd(method, lr):
-        values = cell[(method, lr)]["fresh_loss_over_lfreq"]
-        return f"{np.mean(values):.3f} ± {np.std(values):.3f}"
+        return loss(method, 48, lr, 20)
 
     def gap(method, lr):
-        return f"+{cell[(method, lr)]['gap_to_pre']:.3f}"
+        return f"+{grid[(method, 48, lr, 20)]['gap_to_pre']:.3f}"
 
     assert (f"at {mean_sd('adaptive', 1e-3)} (lr 1e-3) and {mean_sd('adaptive', 3e-3)} (lr "
             f"3e-3) ×\n   L_freq, gaps **{gap('adaptive', 1e-3)} and {gap('adaptive', 3e-3)}**"
             ) in doc
     assert (f"{mean_sd('periln', 1e-3)} and {mean_sd('sandwich', 1e-3)} × L_freq at lr 1e-3 "
-            f"(Pre-Norm {mean_sd('pre', 1e-3)})") in " ".join(doc.split())
+            f"(Pre-Norm {mean_sd('pre', 1e-3)})") in flat
     assert f"gaps of {gap('periln', 1e-3)}/{gap('sandwich', 1e-3)} and {gap('periln', 3e-3)}" \
-        in " ".join(doc.split())
+        in flat
     assert gap("periln", 3e-3) == gap("sandwich", 3e-3)
     assert f"Mix-LN** is within it at lr 1e-3 ({gap('mixln', 1e-3)}; {mean_sd('mixln', 1e-3)})" \
-        in " ".join(doc.split())
+        in flat
     row = {(r["method"], r["lr"], r["seed"]): r for r in runs
            if r["status"] == "done" and (r["layers"], r["warmup"]) == (48, 20)}
     scale = row[("post_budget_scale", 1e-3, 0)]
@@ -257,13 +260,6 @@ def test_the_committed_leaderboard_is_its_archive_tabulated(tmp_path):
     low = sorted(row[("post_budget_scale", 3e-3, s)]["min_c"] for s in range(3))
     assert f"{low[0]:.3f}–{low[-1]:.3f}" in doc
     # the grid's prose, 96 layers and warmup 100, from its cells and runs
-    grid = {(e["method"], e["layers"], e["lr"], e["warmup"]): e for e in board["cells"]}
-
-    def loss(method, layers, lr, warmup):
-        values = grid[(method, layers, lr, warmup)]["fresh_loss_over_lfreq"]
-        return f"{np.mean(values):.3f}" + (f" ± {np.std(values):.3f}" if len(values) > 1 else "")
-
-    flat = " ".join(doc.split())
     deepnorm = grid[("deepnorm", 96, 1e-3, 20)]
     assert (f"only **DeepNorm** learns, at {loss('deepnorm', 96, 1e-3, 20)} "
             f"(+{deepnorm['gap_to_pre']:.3f} to Pre-Norm)") in flat
