@@ -10,9 +10,11 @@ first trains, finished runs are skipped and partial ones resume, so killing the 
 rerunning it finishes the plan without training a run twice; ``--shard i/n`` splits the plan over
 hosts that share --out_dir, and ``--workers N`` trains in N pinned processes. ``--methods`` keeps
 the plan's runs of those methods; ``--report_only`` trains nothing. It logs the plan's progress
-first (runs finished, left, and an ETA from the measured times of the finished runs of the same
-depth), then writes the sweep's ``summary.json`` and measures every finished run once more on its
-final checkpoint, cached in ``<run>/leaderboard.json`` (``postnorm.analysis.run_measures``):
+first and as each run ends (runs finished, running and left, and an ETA from the measured
+training and measuring times of the finished runs of the same depth:
+``postnorm.sweep.progress``), then writes the sweep's ``summary.json`` and measures every
+finished run once more on its final checkpoint, cached in ``<run>/leaderboard.json``
+(``postnorm.analysis.run_measures``):
 
 * ``fresh_loss_over_lfreq``: the loss on the next ``--fresh_batches`` training batches the run
   never trained on, over L_freq (``postnorm.analysis.thm38.next_batches_loss``);
@@ -84,6 +86,7 @@ from postnorm.sweep.leaderboard_table import (
     verdicts_markdown,
 )
 from postnorm.sweep.plan import RunSpec, build_config, parse_shard, plan_file, shard, split_arg
+from postnorm.sweep.progress import SweepProgress
 from postnorm.sweep.record import run_metrics_summary
 from postnorm.sweep.runner import planned_configs, run_sweep, run_workdirs
 from postnorm.sweep.summary import write_summary
@@ -177,28 +180,20 @@ def chosen_plan(sweep_arg: str, methods: list[str]) -> tuple[str, list[RunSpec]]
     return base, kept
 
 
-def progress(configs: list[ml_collections.ConfigDict], rows: list[dict], workers: int) -> str:
-    """Runs finished and left, and an ETA: each run left takes the mean training time of the
-    ``done`` runs of its depth, or, at a depth none has finished, their mean time per layer
-    times its layers."""
-    finished = [(c.model.n_layers, r.get("wall_s") if r["status"] == "done" else None)
-                for c, r in zip(configs, rows, strict=True)
-                if r["status"] in ("done", "nonfinite")]
-    left = [c.model.n_layers for c, r in zip(configs, rows, strict=True)
-            if r["status"] not in ("done", "nonfinite")]
-    times: dict[int, list[float]] = {}
-    for layers, wall in finished:
-        if wall:
-            times.setdefault(layers, []).append(wall)
-    per_layer = [np.mean(t) / layers for layers, t in times.items()]
-    eta = None
-    if left and per_layer:
-        eta = sum(np.mean(times[layers]) if layers in times else np.mean(per_layer) * layers
-                  for layers in left) / workers
-    text = f"{len(finished)} of {len(configs)} runs finished, {len(left)} left"
-    if eta is not None:
-        text += f"; ETA {eta / 3600:.1f} h with {workers} worker(s)"
-    return text
+def progress(configs: list[ml_collections.ConfigDict], rows: list[dict],
+             archived: list[dict | None], workers: int) -> str:
+    """The whole plan's runs finished and left and its ETA (``SweepProgress``), from the
+    summary's ``rows`` and the archive's records (``archived``, which time the measuring)."""
+    plan = SweepProgress(len(configs), workers)
+    left = []
+    for config, row, entry in zip(configs, rows, archived, strict=True):
+        if row["status"] in ("done", "nonfinite"):
+            plan.add_finished(config.model.n_layers,
+                              row.get("wall_s") if row["status"] == "done" else None,
+                              (entry or {}).get("measure_s"))
+        else:
+            left.append(config.model.n_layers)
+    return plan.line(left)
 
 
 def plot(path: str, entries: list[dict]) -> None:
@@ -324,15 +319,17 @@ def main(argv: list[str]) -> None:
     archive = (make_output_dir(os.path.abspath(FLAGS.archive), "--archive") if FLAGS.archive
                else None)
     workdirs = run_workdirs(out_dir, specs, configs)
-    rows = write_summary(base, specs, out_dir, {}, workdirs, archived_runs(archive, configs))
-    logging.info("the plan: %s", progress(configs, rows, FLAGS.workers))
+    archived = archived_runs(archive, configs)
+    rows = write_summary(base, specs, out_dir, {}, workdirs, archived)
+    logging.info("the plan: %s", progress(configs, rows, archived, FLAGS.workers))
     if not FLAGS.report_only:
         mine = shard(list(range(len(specs))), index, count)
         run_sweep([specs[i] for i in mine], [configs[i] for i in mine],
                   [workdirs[i] for i in mine], FLAGS.workers, archive=archive,
                   measure=functools.partial(run_measures, fresh_batches=FLAGS.fresh_batches))
-    rows = write_summary(base, specs, out_dir, {}, workdirs, archived_runs(archive, configs))
-    logging.info("the plan: %s", progress(configs, rows, FLAGS.workers))
+    archived = archived_runs(archive, configs)
+    rows = write_summary(base, specs, out_dir, {}, workdirs, archived)
+    logging.info("the plan: %s", progress(configs, rows, archived, FLAGS.workers))
     print(tabulate(out_dir, specs, configs, rows, FLAGS.fresh_batches, archive, costs))
     logging.info("wall time of this invocation: %.0f s", time.perf_counter() - start)
 

@@ -13,7 +13,9 @@ dropping a value or varying one more field renames runs; a run uses the director
 that holds a run of its config (its own id's first), so renamed runs are not trained again.
 ``--shard i/n`` runs every n-th run of the plan starting at i, so n hosts sharing DIR split
 the sweep; ``--workers N`` trains a shard's runs in N processes pinned to disjoint CPU sets of
-the host (``postnorm.sweep.workers``). Every invocation then rewrites the table and the map from all
+the host (``postnorm.sweep.workers``). As each run ends the log gives the shard's progress:
+runs finished, running and left, and an ETA from the finished runs' measured times
+(``postnorm.sweep.progress``). Every invocation then rewrites the table and the map from all
 finished runs found in DIR:
 
 * ``summary.json`` / ``summary.md``: per run its id, its swept and ``--override`` fields as its

@@ -32,16 +32,18 @@ def archive_path(archive_dir: str, run_id: str) -> str:
 
 
 def archive_run(archive_dir: str, run_id: str, workdir: str,
-                measures: dict | None = None) -> dict:
+                measures: dict | None = None, measure_s: float | None = None) -> dict:
     """Write the record of the finished run in ``workdir`` as ``<archive_dir>/<run_id>.json``
-    (atomically); returns it. Its ``result`` is ``result.json`` without the machine's path."""
+    (atomically); returns it. Its ``result`` is ``result.json`` without the machine's path;
+    ``measure_s`` is the time taking ``measures`` took (the sweep's ETA counts it)."""
     result = read_result(workdir)
     if result is None or result["status"] not in FINAL:
         raise ArchiveError(f"{workdir} holds no finished run to archive")
     check_id_free(archive_dir, run_id, {result["config_digest"]})
     entry = {"run_id": run_id, "config": read_run_config(workdir),
              "result": {k: v for k, v in result.items() if k != "workdir"},
-             "measures": measures, "archived_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+             "measures": measures, "measure_s": measure_s,
+             "archived_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     make_output_dir(archive_dir, "--archive")
     write_json_atomic(archive_path(archive_dir, run_id), entry)
     return entry
@@ -117,13 +119,19 @@ def run_and_archive(archive_dir: str, measure: Measure | None,
     """``record.run_logged``, then the run's record into ``archive_dir``, with
     ``measure(workdir)`` of a run that ended ``done``; returns the run's status."""
     status = run_logged(config, workdir, label)
-    archive_run(archive_dir, run_id, workdir, _measures(measure, workdir, status))
+    archive_run(archive_dir, run_id, workdir, *_measures(measure, workdir, status))
     return status
 
 
-def _measures(measure: Measure | None, workdir: str, status: str) -> dict | None:
-    """``measure(workdir)`` of a run that ended ``done``; None otherwise or without one."""
-    return measure(workdir) if measure is not None and status == "done" else None
+def _measures(measure: Measure | None, workdir: str,
+              status: str) -> tuple[dict | None, float | None]:
+    """``measure(workdir)`` of a run that ended ``done`` and the seconds it took; Nones
+    otherwise or without one."""
+    if measure is None or status != "done":
+        return None, None
+    start = time.perf_counter()
+    measures = measure(workdir)
+    return measures, time.perf_counter() - start
 
 
 def archive_finished(archive_dir: str, run_ids: list[str],
@@ -145,6 +153,6 @@ def archive_finished(archive_dir: str, run_ids: list[str],
                      and (measures is None or (stale is not None and stale(measures))))
         if entry is None or remeasure:
             archive_run(archive_dir, (entry or {}).get("run_id", run_id), workdir,
-                        _measures(measure, workdir, status))
+                        *_measures(measure, workdir, status))
             count += 1
     return count

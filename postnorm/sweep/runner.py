@@ -12,9 +12,18 @@ from absl import logging
 from postnorm.config import ConfigError, config_data, config_digest
 from postnorm.config.args import ConfigArgError
 from postnorm.data import DataError, load_data
-from postnorm.sweep.archive import Measure, archived_runs, check_id_free, run_and_archive
+from postnorm.sweep.archive import (
+    ArchiveError,
+    Measure,
+    archive_path,
+    archived_runs,
+    check_id_free,
+    read_entry,
+    run_and_archive,
+)
 from postnorm.sweep.plan import RunSpec, SweepError, build_config
-from postnorm.sweep.record import is_finished, planned_digests, run_logged
+from postnorm.sweep.progress import SweepProgress, run_times
+from postnorm.sweep.record import is_finished, planned_digests, read_result, run_logged
 from postnorm.sweep.workers import run_pinned
 from postnorm.train.validate import check_config
 from postnorm.workdir.config_record import (
@@ -98,7 +107,8 @@ def run_sweep(specs: list[RunSpec], configs: list[ml_collections.ConfigDict],
               workdirs: list[str], workers: int = 1, archive: str | None = None,
               measure: Measure | None = None) -> None:
     """Train (or skip) every run of ``specs``: in order, or in ``workers`` pinned processes,
-    which take the runs with the most layer-steps first so that no long run starts last.
+    which take the runs with the most layer-steps first so that no long run starts last. As
+    each run ends it logs the plan's progress (``SweepProgress``).
 
     With ``archive`` (``postnorm.sweep.archive``), a run recorded there is not trained, and each
     run that ends is recorded there (with ``measure(workdir)`` when it ended ``done``)."""
@@ -106,6 +116,7 @@ def run_sweep(specs: list[RunSpec], configs: list[ml_collections.ConfigDict],
     for spec, config, entry in zip(specs, configs, archived, strict=True):
         if archive is not None and entry is None:  # before any run trains
             check_id_free(archive, spec.run_id, planned_digests(config))
+    progress = SweepProgress(len(specs), workers)
     jobs = []
     for number, (spec, config, workdir, entry) in enumerate(
             zip(specs, configs, workdirs, archived, strict=True), 1):
@@ -113,14 +124,38 @@ def run_sweep(specs: list[RunSpec], configs: list[ml_collections.ConfigDict],
         if entry is not None:
             logging.info("%s: already finished (%s, archived in %s)", label,
                          entry["result"]["status"], archive)
+            progress.add_finished(config.model.n_layers, *run_times(entry))
         elif is_finished(workdir, config):
             logging.info("%s: already finished", label)
+            progress.add_finished(config.model.n_layers,
+                                  *run_times({"result": read_result(workdir)}))
         else:
             jobs.append((config, workdir, label, spec.run_id))
     if jobs and workers > 1:
         load_data(jobs[0][0].data, seed=jobs[0][0].seed)  # build the shared caches once
         jobs.sort(key=lambda job: job[0].model.n_layers * job[0].train.steps, reverse=True)
+    left = [job[0].model.n_layers for job in jobs]
+    logging.info("the sweep: %s", progress.line(left, min(workers, len(left))))
+
+    def ended(index: int) -> None:
+        config, workdir, _, run_id = jobs[index]
+        left.remove(config.model.n_layers)
+        progress.add_finished(config.model.n_layers, *_ended_run_times(workdir, archive, run_id))
+        logging.info("the sweep: %s", progress.line(left, min(workers, len(left))))
+
     if archive is None:
-        run_pinned(run_logged, [job[:3] for job in jobs], workers)
+        run_pinned(run_logged, [job[:3] for job in jobs], workers, ended)
     else:
-        run_pinned(functools.partial(run_and_archive, archive, measure), jobs, workers)
+        run_pinned(functools.partial(run_and_archive, archive, measure), jobs, workers, ended)
+
+
+def _ended_run_times(workdir: str, archive: str | None,
+                     run_id: str) -> tuple[float | None, float | None]:
+    """``run_times`` of a run that just ended: from its archive record, or its result."""
+    try:
+        record = (read_entry(archive_path(archive, run_id)) if archive
+                  else {"result": read_result(workdir) or {}})
+    except ArchiveError as err:
+        logging.warning("the sweep's ETA leaves out a run's time: %s", err)
+        return None, None
+    return run_times(record)

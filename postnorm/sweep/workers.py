@@ -83,17 +83,23 @@ def _unfinished(future: Future, stopping: bool) -> bool:
     return isinstance(error, Stopped) or (stopping and isinstance(error, BrokenProcessPool))
 
 
-def run_pinned(fn: Callable, jobs: Sequence[tuple], workers: int) -> list:
+def run_pinned(fn: Callable, jobs: Sequence[tuple], workers: int,
+               on_done: Callable[[int], None] | None = None) -> list:
     """``[fn(*job) for job in jobs]``, spread over ``workers`` pinned processes (in-process when
     ``workers`` is 1). ``fn`` must be importable (a module-level function); a job's exception
-    is raised here once every job has ended.
+    is raised here once every job has ended. ``on_done(i)`` runs here as job ``i`` returns.
 
     On SIGTERM or Ctrl-C, or when one job stops on request (its worker got the signal), every
     worker is asked to checkpoint and stop (SIGTERM) and starts no further job; then
     ``Stopped`` says how many runs are unfinished. A second Ctrl-C kills the workers at once.
     """
     if workers == 1 or not jobs:
-        return [fn(*job) for job in jobs]
+        results = []
+        for index, job in enumerate(jobs):
+            results.append(fn(*job))
+            if on_done is not None:
+                on_done(index)
+        return results
     # first: SIGTERM and a first Ctrl-C only recorded (a second one raises), also while the
     # queues below start multiprocessing's resource tracker, which takes a while on a busy host
     watch = PreemptionWatch(0)
@@ -111,12 +117,17 @@ def run_pinned(fn: Callable, jobs: Sequence[tuple], workers: int) -> list:
                                        initargs=(groups, pids, stopping_event,
                                                  absl_logging.get_verbosity()))
             futures = [pool.submit(_run_job, fn, job) for job in jobs]
+            index_of = {future: index for index, future in enumerate(futures)}
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         pending, stopping = set(futures), False
         try:
             while pending:
                 done, pending = wait(pending, timeout=0.2)
+                if on_done is not None:
+                    for future in done:
+                        if not future.cancelled() and future.exception() is None:
+                            on_done(index_of[future])
                 if not stopping and (watch.should_stop(0)
                                      or any(_unfinished(f, False) for f in done)):
                     stopping_event.set()  # no worker starts another job
