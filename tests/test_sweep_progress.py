@@ -14,7 +14,7 @@ from postnorm.sweep import plan as sweep
 from postnorm.sweep import record as run_record
 from postnorm.sweep import runner as sweep_runner
 from postnorm.sweep.archive import read_archive
-from postnorm.sweep.progress import SweepProgress, duration
+from postnorm.sweep.progress import SweepProgress, duration, run_times
 from postnorm.sweep.workers import run_pinned
 from tests.test_sweep import STABILITY, RecordingTrainer
 
@@ -38,6 +38,11 @@ def test_the_eta_takes_each_depths_times_or_scales_them_per_layer():
         "4 of 10 runs finished, 1 running, 2 left; ETA 5 min 35 s with 2 worker(s)")
     assert [duration(s) for s in (12.4, 60, 3599.6, 3600 + 52 * 60 + 29)] == [
         "12 s", "1 min 00 s", "1 h 00 min", "1 h 52 min"]
+
+
+def test_a_run_stopped_by_a_non_finite_step_gives_no_training_time():
+    assert run_times({"result": {"status": "done", "wall_s": 9.0}, "measure_s": 2.0}) == (9.0, 2.0)
+    assert run_times({"result": {"status": "nonfinite", "wall_s": 1.0}}) == (None, None)
 
 
 def test_an_eta_without_measuring_times_says_it_counts_training_only():

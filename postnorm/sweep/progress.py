@@ -5,10 +5,13 @@ import numpy as np
 
 
 def run_times(record: dict) -> tuple[float | None, float | None]:
-    """A finished run's training seconds (its result's ``wall_s``) and its measuring seconds
-    (an archive record's ``measure_s``; None where it was not measured or not timed). ``record``
-    is an archive record, or ``{"result": <result.json>}``."""
-    return record["result"].get("wall_s"), record.get("measure_s")
+    """A finished run's training seconds (its result's ``wall_s``; None for a run stopped early
+    by a non-finite step) and its measuring seconds (an archive record's ``measure_s``; None
+    where it was not measured or not timed). ``record`` is an archive record, or
+    ``{"result": <result.json>}``."""
+    result = record["result"]
+    return (result.get("wall_s") if result.get("status") == "done" else None,
+            record.get("measure_s"))
 
 
 class SweepProgress:
