@@ -9,12 +9,12 @@ Built on the sweep runner (``postnorm.sweep.runner``): every run's config is val
 first trains, finished runs are skipped and partial ones resume, so killing the command and
 rerunning it finishes the plan without training a run twice; ``--shard i/n`` splits the plan over
 hosts that share --out_dir, and ``--workers N`` trains in N pinned processes. ``--methods`` keeps
-the plan's runs of those methods; ``--report_only`` trains nothing. It logs the plan's progress
-first and as each run ends (runs finished, running and left, and an ETA from the measured
-training and measuring times of the finished runs of the same depth:
-``postnorm.sweep.progress``), then writes the sweep's ``summary.json`` and measures every
-finished run once more on its final checkpoint, cached in ``<run>/leaderboard.json``
-(``postnorm.analysis.run_measures``):
+the plan's runs of those methods; ``--report_only`` trains nothing. It logs the whole plan's
+progress first and last (runs finished and left, and an ETA from the measured training and
+measuring times of the finished runs of the same depth: ``postnorm.sweep.progress``), and this
+host's (or shard's) as each run ends, with the runs running; then it writes the sweep's
+``summary.json`` and measures every finished run once more on its final checkpoint, cached in
+``<run>/leaderboard.json`` (``postnorm.analysis.run_measures``):
 
 * ``fresh_loss_over_lfreq``: the loss on the next ``--fresh_batches`` training batches the run
   never trained on, over L_freq (``postnorm.analysis.thm38.next_batches_loss``);
@@ -86,7 +86,7 @@ from postnorm.sweep.leaderboard_table import (
     verdicts_markdown,
 )
 from postnorm.sweep.plan import RunSpec, build_config, parse_shard, plan_file, shard, split_arg
-from postnorm.sweep.progress import SweepProgress
+from postnorm.sweep.progress import plan_progress
 from postnorm.sweep.record import run_metrics_summary
 from postnorm.sweep.runner import planned_configs, run_sweep, run_workdirs
 from postnorm.sweep.summary import write_summary
@@ -178,22 +178,6 @@ def chosen_plan(sweep_arg: str, methods: list[str]) -> tuple[str, list[RunSpec]]
     if not kept:
         raise LeaderboardError(f"{sweep_arg} plans no run of --methods={','.join(methods)}")
     return base, kept
-
-
-def progress(configs: list[ml_collections.ConfigDict], rows: list[dict],
-             archived: list[dict | None], workers: int) -> str:
-    """The whole plan's runs finished and left and its ETA (``SweepProgress``), from the
-    summary's ``rows`` and the archive's records (``archived``, which time the measuring)."""
-    plan = SweepProgress(len(configs), workers)
-    left = []
-    for config, row, entry in zip(configs, rows, archived, strict=True):
-        if row["status"] in ("done", "nonfinite"):
-            plan.add_finished(config.model.n_layers,
-                              row.get("wall_s") if row["status"] == "done" else None,
-                              (entry or {}).get("measure_s"))
-        else:
-            left.append(config.model.n_layers)
-    return plan.line(left)
 
 
 def plot(path: str, entries: list[dict]) -> None:
@@ -321,7 +305,7 @@ def main(argv: list[str]) -> None:
     workdirs = run_workdirs(out_dir, specs, configs)
     archived = archived_runs(archive, configs)
     rows = write_summary(base, specs, out_dir, {}, workdirs, archived)
-    logging.info("the plan: %s", progress(configs, rows, archived, FLAGS.workers))
+    logging.info("the plan: %s", plan_progress(configs, rows, archived, FLAGS.workers))
     if not FLAGS.report_only:
         mine = shard(list(range(len(specs))), index, count)
         run_sweep([specs[i] for i in mine], [configs[i] for i in mine],
@@ -329,7 +313,7 @@ def main(argv: list[str]) -> None:
                   measure=functools.partial(run_measures, fresh_batches=FLAGS.fresh_batches))
     archived = archived_runs(archive, configs)
     rows = write_summary(base, specs, out_dir, {}, workdirs, archived)
-    logging.info("the plan: %s", progress(configs, rows, archived, FLAGS.workers))
+    logging.info("the plan: %s", plan_progress(configs, rows, archived, FLAGS.workers))
     print(tabulate(out_dir, specs, configs, rows, FLAGS.fresh_batches, archive, costs))
     logging.info("wall time of this invocation: %.0f s", time.perf_counter() - start)
 

@@ -6,6 +6,7 @@ import os
 import re
 import time
 
+import ml_collections
 import pytest
 from absl import logging
 
@@ -14,7 +15,7 @@ from postnorm.sweep import plan as sweep
 from postnorm.sweep import record as run_record
 from postnorm.sweep import runner as sweep_runner
 from postnorm.sweep.archive import read_archive
-from postnorm.sweep.progress import SweepProgress, duration, run_times
+from postnorm.sweep.progress import SweepProgress, duration, plan_progress, run_times
 from postnorm.sweep.workers import run_pinned
 from tests.test_sweep import STABILITY, RecordingTrainer
 
@@ -36,6 +37,11 @@ def test_the_eta_takes_each_depths_times_or_scales_them_per_layer():
     assert eta == pytest.approx(335.0)
     assert progress.line([48, 24, 12], running=1) == (
         "4 of 10 runs finished, 1 running, 2 left; ETA 5 min 35 s with 2 worker(s)")
+    # one run left with two workers: the ETA is that run's, not half of it
+    assert progress.line([48]).endswith("ETA 8 min 40 s with 2 worker(s)")
+    progress.add_failed()
+    assert progress.line([12], running=1) == (
+        "4 of 10 runs finished, 1 failed, 1 running, 0 left; ETA 1 min 10 s with 2 worker(s)")
     assert [duration(s) for s in (12.4, 60, 3599.6, 3600 + 52 * 60 + 29)] == [
         "12 s", "1 min 00 s", "1 h 00 min", "1 h 52 min"]
 
@@ -51,6 +57,20 @@ def test_an_eta_without_measuring_times_says_it_counts_training_only():
     assert progress.line([48, 48]) == (
         "1 of 3 runs finished, 2 left; ETA 2 h 00 min with 1 worker(s) "
         "(training only: no finished run records its measuring time)")
+    unmeasured = SweepProgress(total=3, workers=1, measured=False)  # a plan that measures none
+    unmeasured.add_finished(48, 3600.0, None)
+    assert unmeasured.line([48, 48]) == (
+        "1 of 3 runs finished, 2 left; ETA 2 h 00 min with 1 worker(s)")
+
+
+def test_a_plans_line_counts_the_archives_measuring_times():
+    configs = [ml_collections.ConfigDict({"model": {"n_layers": n}}) for n in (24, 24, 48, 24)]
+    rows = [{"status": "done", "wall_s": 100.0}, {"status": "done", "wall_s": 140.0},
+            {"status": "nonfinite", "wall_s": 5.0}, {"status": "missing"}]
+    archived = [{"measure_s": 60.0}, None, {"measure_s": None}, None]
+    # the 24-layer run left: 120 s of training and 60 s of measuring
+    assert plan_progress(configs, rows, archived, 2) == (
+        "3 of 4 runs finished, 1 left; ETA 3 min 00 s with 2 worker(s)")
 
 
 def test_a_sweep_logs_its_progress_as_each_run_ends_with_the_measuring_time(
@@ -94,14 +114,28 @@ def test_a_sweep_logs_its_progress_as_each_run_ends_with_the_measuring_time(
 
 
 def square(x: int) -> int:
-    """Runs in a worker."""
+    """Runs in a worker; 3 raises."""
+    if x == 3:
+        raise ValueError("job 3 fails")
     return x * x
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_the_workers_report_each_job_that_returns_once(workers):
-    workers = min(workers, len(os.sched_getaffinity(0)))
+def test_the_workers_report_each_job_as_it_ends(workers):
+    if workers > len(os.sched_getaffinity(0)):
+        pytest.skip("needs two CPUs")
     ended = []
-    assert run_pinned(square, [(x,) for x in range(5)], workers, ended.append) == [
-        x * x for x in range(5)]
-    assert sorted(ended) == list(range(5))
+    assert run_pinned(square, [(x,) for x in range(3)], workers,
+                      lambda i, returned: ended.append((i, returned))) == [0, 1, 4]
+    assert sorted(ended) == [(0, True), (1, True), (2, True)]
+    ended.clear()
+
+    def report(index, returned):
+        ended.append((index, returned))
+        raise OSError("a report that fails")  # logged; the jobs go on
+
+    with pytest.raises(ValueError, match="job 3 fails"):
+        run_pinned(square, [(x,) for x in range(5)], workers, report)
+    # in-process the failing job stops the loop; in workers every job ends and is reported
+    assert sorted(ended) == ([(0, True), (1, True), (2, True)] if workers == 1 else
+                             [(0, True), (1, True), (2, True), (3, False), (4, True)])

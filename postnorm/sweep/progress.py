@@ -1,6 +1,7 @@
 """A sweep's progress: runs finished, running and left, and an ETA from the measured times of
 its finished runs (their training and, where the record keeps it, their measuring)."""
 
+import ml_collections
 import numpy as np
 
 
@@ -20,12 +21,15 @@ class SweepProgress:
     A run left is estimated at the mean training time of the finished runs of its depth, plus
     the mean measuring time of those whose record keeps one; at a depth none has finished (or
     timed), at the mean time per layer of the depths that have, times its layers. A running run
-    counts half its estimate (its start is not observed); the sum is spread over the workers.
+    counts half its estimate (its start is not observed). The ETA is the sum spread over the
+    workers, and at least the longest single run's estimate.
     """
 
-    def __init__(self, total: int, workers: int) -> None:
-        self.total, self.workers = total, workers
-        self.finished = 0
+    def __init__(self, total: int, workers: int, measured: bool = True) -> None:
+        """``measured``: the plan measures its runs after training (the ETA then says when it
+        counts training alone)."""
+        self.total, self.workers, self.measured = total, workers, measured
+        self.finished = self.failed = 0
         self._train: dict[int, list[float]] = {}
         self._measure: dict[int, list[float]] = {}
 
@@ -37,6 +41,10 @@ class SweepProgress:
             self._train.setdefault(layers, []).append(train_s)
         if measure_s:
             self._measure.setdefault(layers, []).append(measure_s)
+
+    def add_failed(self) -> None:
+        """Count a run that ended on an error (it is not finished; a rerun trains it again)."""
+        self.failed += 1
 
     def run_estimate(self, layers: int) -> float | None:
         """The estimated seconds of a run of ``layers`` layers; None before any run is timed."""
@@ -50,17 +58,36 @@ class SweepProgress:
         ``left_layers`` are the depths of the runs not finished, the ``running`` of them first
         (None: not known, as for a plan shared between hosts; none is counted running)."""
         text = f"{self.finished} of {self.total} runs finished, "
+        if self.failed:
+            text += f"{self.failed} failed, "
         if running is not None:
             text += f"{running} running, "
         running = running or 0
         text += f"{len(left_layers) - running} left"
         estimates = [self.run_estimate(layers) for layers in left_layers]
         if left_layers and None not in estimates:
-            eta = (0.5 * sum(estimates[:running]) + sum(estimates[running:])) / self.workers
+            remaining = [0.5 * e for e in estimates[:running]] + estimates[running:]
+            eta = max(sum(remaining) / self.workers, max(remaining))
             text += f"; ETA {duration(eta)} with {self.workers} worker(s)"
-            if not self._measure:
+            if self.measured and not self._measure:
                 text += " (training only: no finished run records its measuring time)"
         return text
+
+
+def plan_progress(configs: list[ml_collections.ConfigDict], rows: list[dict],
+                  archived: list[dict | None], workers: int) -> str:
+    """A whole plan's runs finished and left and its ETA, from its summary ``rows``
+    (``summary.write_summary``) and per run its archive record or None (``archived``, which
+    times the measuring)."""
+    plan = SweepProgress(len(configs), workers)
+    left = []
+    for config, row, entry in zip(configs, rows, archived, strict=True):
+        if row["status"] in ("done", "nonfinite"):
+            plan.add_finished(config.model.n_layers, *run_times(
+                {"result": row, "measure_s": (entry or {}).get("measure_s")}))
+        else:
+            left.append(config.model.n_layers)
+    return plan.line(left)
 
 
 def duration(seconds: float) -> str:

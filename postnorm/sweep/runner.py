@@ -23,7 +23,13 @@ from postnorm.sweep.archive import (
 )
 from postnorm.sweep.plan import RunSpec, SweepError, build_config
 from postnorm.sweep.progress import SweepProgress, run_times
-from postnorm.sweep.record import is_finished, planned_digests, read_result, run_logged
+from postnorm.sweep.record import (
+    RunRecordError,
+    is_finished,
+    planned_digests,
+    read_result,
+    run_logged,
+)
 from postnorm.sweep.workers import run_pinned
 from postnorm.train.validate import check_config
 from postnorm.workdir.config_record import (
@@ -107,8 +113,9 @@ def run_sweep(specs: list[RunSpec], configs: list[ml_collections.ConfigDict],
               workdirs: list[str], workers: int = 1, archive: str | None = None,
               measure: Measure | None = None) -> None:
     """Train (or skip) every run of ``specs``: in order, or in ``workers`` pinned processes,
-    which take the runs with the most layer-steps first so that no long run starts last. As
-    each run ends it logs the plan's progress (``SweepProgress``).
+    which take the runs with the most layer-steps first so that no long run starts last. First
+    and as each run ends it logs the progress of these runs (``SweepProgress``; under
+    ``--shard``, the shard's).
 
     With ``archive`` (``postnorm.sweep.archive``), a run recorded there is not trained, and each
     run that ends is recorded there (with ``measure(workdir)`` when it ended ``done``)."""
@@ -116,7 +123,7 @@ def run_sweep(specs: list[RunSpec], configs: list[ml_collections.ConfigDict],
     for spec, config, entry in zip(specs, configs, archived, strict=True):
         if archive is not None and entry is None:  # before any run trains
             check_id_free(archive, spec.run_id, planned_digests(config))
-    progress = SweepProgress(len(specs), workers)
+    progress = SweepProgress(len(specs), workers, measured=measure is not None)
     jobs = []
     for number, (spec, config, workdir, entry) in enumerate(
             zip(specs, configs, workdirs, archived, strict=True), 1):
@@ -137,10 +144,14 @@ def run_sweep(specs: list[RunSpec], configs: list[ml_collections.ConfigDict],
     left = [job[0].model.n_layers for job in jobs]
     logging.info("the sweep: %s", progress.line(left, min(workers, len(left))))
 
-    def ended(index: int) -> None:
+    def ended(index: int, returned: bool) -> None:
         config, workdir, _, run_id = jobs[index]
         left.remove(config.model.n_layers)
-        progress.add_finished(config.model.n_layers, *_ended_run_times(workdir, archive, run_id))
+        if returned:
+            progress.add_finished(config.model.n_layers,
+                                  *_ended_run_times(workdir, archive, run_id))
+        else:
+            progress.add_failed()
         logging.info("the sweep: %s", progress.line(left, min(workers, len(left))))
 
     if archive is None:
@@ -155,7 +166,7 @@ def _ended_run_times(workdir: str, archive: str | None,
     try:
         record = (read_entry(archive_path(archive, run_id)) if archive
                   else {"result": read_result(workdir) or {}})
-    except ArchiveError as err:
+    except (ArchiveError, RunRecordError) as err:
         logging.warning("the sweep's ETA leaves out a run's time: %s", err)
         return None, None
     return run_times(record)

@@ -83,11 +83,23 @@ def _unfinished(future: Future, stopping: bool) -> bool:
     return isinstance(error, Stopped) or (stopping and isinstance(error, BrokenProcessPool))
 
 
+def _report(on_done: Callable[[int, bool], None] | None, index: int, returned: bool) -> None:
+    """``on_done(index, returned)``; its error is logged, never raised into the pool's loop."""
+    if on_done is None:
+        return
+    try:
+        on_done(index, returned)
+    except Exception:  # a progress report must not stop or stall the runs
+        absl_logging.exception("reporting the end of job %d failed", index)
+
+
 def run_pinned(fn: Callable, jobs: Sequence[tuple], workers: int,
-               on_done: Callable[[int], None] | None = None) -> list:
+               on_done: Callable[[int, bool], None] | None = None) -> list:
     """``[fn(*job) for job in jobs]``, spread over ``workers`` pinned processes (in-process when
     ``workers`` is 1). ``fn`` must be importable (a module-level function); a job's exception
-    is raised here once every job has ended. ``on_done(i)`` runs here as job ``i`` returns.
+    is raised here once every job has ended (in-process: at once). ``on_done(i, returned)``
+    runs here as job ``i`` ends, returned or raised (not one stopped on request), within 0.2 s
+    with several workers; an error in it is logged, and the jobs go on.
 
     On SIGTERM or Ctrl-C, or when one job stops on request (its worker got the signal), every
     worker is asked to checkpoint and stop (SIGTERM) and starts no further job; then
@@ -97,8 +109,7 @@ def run_pinned(fn: Callable, jobs: Sequence[tuple], workers: int,
         results = []
         for index, job in enumerate(jobs):
             results.append(fn(*job))
-            if on_done is not None:
-                on_done(index)
+            _report(on_done, index, True)
         return results
     # first: SIGTERM and a first Ctrl-C only recorded (a second one raises), also while the
     # queues below start multiprocessing's resource tracker, which takes a while on a busy host
@@ -124,10 +135,9 @@ def run_pinned(fn: Callable, jobs: Sequence[tuple], workers: int,
         try:
             while pending:
                 done, pending = wait(pending, timeout=0.2)
-                if on_done is not None:
-                    for future in done:
-                        if not future.cancelled() and future.exception() is None:
-                            on_done(index_of[future])
+                for future in done:
+                    if not _unfinished(future, stopping):
+                        _report(on_done, index_of[future], future.exception() is None)
                 if not stopping and (watch.should_stop(0)
                                      or any(_unfinished(f, False) for f in done)):
                     stopping_event.set()  # no worker starts another job
