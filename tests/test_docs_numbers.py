@@ -272,6 +272,20 @@ def test_the_committed_leaderboard_is_its_archive_tabulated(tmp_path):
     assert (f"the rule calls {sum(not r['collapsed'] for r in post_long)} of its "
             f"{len(post_long)} runs not collapsed") in flat
     assert f"Pre-Norm is at {loss('pre', 48, 1e-3, 100)} and {loss('pre', 48, 3e-3, 100)}" in flat
+    mixln_long = {lr: grid[("mixln", 48, lr, 100)]["gap_to_pre"] for lr in (1e-3, 3e-3)}
+    assert (f"Mix-LN gains the most: {loss('mixln', 48, 3e-3, 100)} at lr 3e-3 "
+            f"({loss('mixln', 48, 3e-3, 20)} at warmup 20), a gap of +{mixln_long[3e-3]:.3f}, and "
+            f"{loss('mixln', 48, 1e-3, 100)} at 1e-3 (+{mixln_long[1e-3]:.3f})") in flat
+    assert max(mixln_long.values()) < 0.05
+    # 24 layers: Post-Norm's collapse at lr 3e-3 and its long warmup at lr 1e-3
+    assert (f"{loss('post', 24, 3e-3, 20)}, +{grid[('post', 24, 3e-3, 20)]['gap_to_pre']:.3f} to "
+            f"Pre-Norm ({loss('pre', 24, 3e-3, 20)})") in flat
+    assert grid[("post", 24, 3e-3, 20)]["collapsed"] >= 1
+    assert (f"it ends at {loss('post', 24, 1e-3, 100)}, "
+            f"+{grid[('post', 24, 1e-3, 100)]['gap_to_pre']:.3f} to Pre-Norm") in flat
+    focus_24 = [grid[(m, 24, lr, w)]["gap_to_pre"] for m in ("mixln", "adaptive")
+                for lr in (1e-3, 3e-3) for w in (20, 100)]
+    assert max(focus_24) < 0.04  # "within 0.04 of Pre-Norm in every 24-layer cell"
 
 
 def test_the_paper_width_section_matches_its_outputs():
