@@ -285,7 +285,7 @@ def test_the_committed_leaderboard_is_its_archive_tabulated(tmp_path):
             f"+{grid[('post', 24, 1e-3, 100)]['gap_to_pre']:.3f} to Pre-Norm") in flat
     focus_24 = [grid[(m, 24, lr, w)]["gap_to_pre"] for m in ("mixln", "adaptive")
                 for lr in (1e-3, 3e-3) for w in (20, 100)]
-    assert max(focus_24) < 0.04  # "within 0.04 of Pre-Norm in every 24-layer cell"
+    assert max(focus_24) < 0.05  # "within 0.05 of Pre-Norm in every 24-layer cell"
 
 
 def test_the_paper_width_section_matches_its_outputs():

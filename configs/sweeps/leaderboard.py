@@ -22,7 +22,7 @@ measuring (the 512 fresh batches), about 5.3 worker-minutes. At 12 and 24 layers
 map's runs took 0.42x and 0.58x their 48-layer time, and 96 layers is taken as 2x; so about
 2.2, 3.1 and 10.6 worker-minutes (measured since: 96-layer runs took 498-520 s of training with
 the cores to themselves, 2.1-2.2x; 48-layer runs at warmup 100, 255-343 s; 24-layer runs a
-median 148 s of training and 56 s of measuring, so about 3.4 worker-minutes).
+median 162 s of training and 60 s of measuring, so about 3.7 worker-minutes).
 What it runs, and what it cuts:
 
 * every method at 48 layers, warmup 20, both lrs, 3 seeds (the 108 runs; about 4.7 h);
