@@ -142,7 +142,9 @@ def run_sweep(specs: list[RunSpec], configs: list[ml_collections.ConfigDict],
         load_data(jobs[0][0].data, seed=jobs[0][0].seed)  # build the shared caches once
         jobs.sort(key=lambda job: job[0].model.n_layers * job[0].train.steps, reverse=True)
     left = [job[0].model.n_layers for job in jobs]
-    logging.info("the sweep: %s", progress.line(left, min(workers, len(left))))
+
+    def log_progress() -> None:
+        logging.info("the sweep: %s", progress.line(left, min(workers, len(left))))
 
     def ended(index: int, returned: bool) -> None:
         config, workdir, _, run_id = jobs[index]
@@ -152,7 +154,9 @@ def run_sweep(specs: list[RunSpec], configs: list[ml_collections.ConfigDict],
                                   *_ended_run_times(workdir, archive, run_id))
         else:
             progress.add_failed()
-        logging.info("the sweep: %s", progress.line(left, min(workers, len(left))))
+        log_progress()
+
+    log_progress()
 
     if archive is None:
         run_pinned(run_logged, [job[:3] for job in jobs], workers, ended)
