@@ -22,7 +22,8 @@ measuring (the 512 fresh batches), about 5.3 worker-minutes. At 12 and 24 layers
 map's runs took 0.42x and 0.58x their 48-layer time, and 96 layers is taken as 2x; so about
 2.2, 3.1 and 10.6 worker-minutes (measured since: 96-layer runs took 498-520 s of training with
 the cores to themselves, 2.1-2.2x; 48-layer runs at warmup 100, 255-343 s; 24-layer runs a
-median 162 s of training and 60 s of measuring, so about 3.7 worker-minutes).
+median 162 s of training and 60 s of measuring, so about 3.7 worker-minutes; 12-layer runs 91 s
+and 37 s, about 2.1 worker-minutes).
 What it runs, and what it cuts:
 
 * every method at 48 layers, warmup 20, both lrs, 3 seeds (the 108 runs; about 4.7 h);
@@ -35,15 +36,16 @@ What it runs, and what it cuts:
 * 96 layers at lr 1e-3, warmup 20, 1 seed: post, pre and the methods that claim depth
   (``DEPTH_METHODS``).
 
-That is 60 + 72 + 7 runs beyond the 108, about 540 worker-minutes (4.5 h with ``--workers 2``),
-and 9.3 h for the whole grid of 247 runs. A host with more cores runs the whole grid, or shards
-it with ``--shard i/n``. ``FOCUS`` are the four methods that prevented the collapse on all six
-of their runs at 48 layers and learned past the unigram floor (docs/LEADERBOARD.md): the three
-published baselines with the smallest largest gap to Pre-Norm's loss (sandwich and Peri-LN
-+0.080, Mix-LN +0.103) and the adaptive placement (+0.108), the one improvement of the paper
-that prevented it; the residual budgets prevent it only by the rule's letter (their loss stays
-at the floor). Chosen when every method that could still prevent the collapse had its six runs
-in; the methods with runs left had collapsed on one already.
+That is 60 + 72 + 7 runs beyond the 108, about 540 worker-minutes (4.5 h with ``--workers 2``), and
+9.3 h for the whole grid of 247 runs (it took 11 h 44 min of wall time in nine sittings, some of
+them sharing the cores with the test suite: docs/LEADERBOARD.md). A host with more cores runs the
+whole grid, or shards it with ``--shard i/n``. ``FOCUS`` are the four methods that prevented the
+collapse on all six of their runs at 48 layers and learned past the unigram floor
+(docs/LEADERBOARD.md): the three published baselines with the smallest largest gap to Pre-Norm's
+loss (sandwich and Peri-LN +0.080, Mix-LN +0.103) and the adaptive placement (+0.108), the one
+improvement of the paper that prevented it; the residual budgets prevent it only by the rule's
+letter (their loss stays at the floor). Chosen when every method that could still prevent the
+collapse had its six runs in; the methods with runs left had collapsed on one already.
 """
 
 from configs.default import get_config
