@@ -37,7 +37,7 @@ What it runs, and what it cuts:
   (``DEPTH_METHODS``).
 
 That is 60 + 72 + 7 runs beyond the 108, about 540 worker-minutes (4.5 h with ``--workers 2``), and
-9.3 h for the whole grid of 247 runs (it took 11 h 44 min of wall time in nine sittings, some of
+9.3 h for the whole grid of 247 runs (it took 11 h 50 min of wall time in nine sittings, some of
 them sharing the cores with the test suite: docs/LEADERBOARD.md). A host with more cores runs the
 whole grid, or shards it with ``--shard i/n``. ``FOCUS`` are the four methods that prevented the
 collapse on all six of their runs at 48 layers and learned past the unigram floor
