@@ -211,6 +211,16 @@ def test_bounded_init_schemes_respect_their_support():
     assert np.abs(lecun).max() <= 2 * np.sqrt(1 / fan_in) / 0.87962566103423978 * (1 + 1e-6)
 
 
+def test_xavier_normal_is_an_untruncated_normal():
+    """DeepNet's draw (torch.nn.init.xavier_normal_): N(0, 2 / (fan_in + fan_out)), so the
+    share of entries beyond two standard deviations is the normal's 4.55%, not 0."""
+    fan_in, fan_out = 512, 1536
+    w = np.asarray(kernel_init("xavier_normal")(jax.random.key(0), (fan_in, fan_out),
+                                                jnp.float32))
+    beyond = np.mean(np.abs(w) > 2 * np.sqrt(2 / (fan_in + fan_out)))
+    assert abs(beyond - 0.0455) < 0.002
+
+
 def test_attention_energy_on_identical_tokens_is_s():
     """With identical tokens attention is x W_V W_O, so E||Attn(X)||^2/||X||^2 = d^2 s_V^2 s_O^2."""
     d, n = 128, 8

@@ -45,7 +45,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.residual_budget_c = 0.9
     c.model.residual_budget_weight = 1.0
     c.model.positions = "rope"  # rope | learned | none
-    c.model.init = "torch_default"  # torch_default | normal_0.02 | lecun_normal | xavier
+    # torch_default | normal_0.02 | lecun_normal | xavier (uniform) | xavier_normal (DeepNet's)
+    c.model.init = "torch_default"
     c.model.tie_embeddings = False
     c.model.norm_eps = 1e-6
     c.model.rope_base = 10000.0

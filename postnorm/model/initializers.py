@@ -10,6 +10,7 @@ scheme             distribution                           entry variance
 ``normal_0.02``    N(0, 0.02^2)                           4e-4
 ``lecun_normal``   truncated normal                       1 / fan_in
 ``xavier``         U(-b, b), b = sqrt(6/(fan_in+fan_out))  2 / (fan_in + fan_out)
+``xavier_normal``  N(0, 2/(fan_in+fan_out))              2 / (fan_in + fan_out)   (DeepNet's draw)
 =================  =====================================  ==========================================
 
 ``torch_default`` gives attention amount s = d^2 sigma_V^2 sigma_O^2 = 1/9 and FFN amount
@@ -45,6 +46,8 @@ def kernel_init(scheme: str, gain: float = 1.0) -> Initializer:
         base = jax.nn.initializers.lecun_normal()
     elif scheme == "xavier":
         base = jax.nn.initializers.xavier_uniform()
+    elif scheme == "xavier_normal":  # untruncated, as torch.nn.init.xavier_normal_
+        base = jax.nn.initializers.variance_scaling(1.0, "fan_avg", "normal")
     else:
         raise ValueError(f"model.init={scheme!r} is not one of {INIT_SCHEMES}")
     if gain == 1.0:

@@ -22,7 +22,7 @@ ArrayLike = float | np.ndarray
 GATE_NODES = 80  # Gauss-Hermite nodes per axis of the gate kernel; converged to ~1e-12
 KERNEL_GRID = 4097  # rho grid of the tabulated gate kernel used on Gram matrices
 S_READINGS = ("vo", "v_only")
-INIT_SCHEMES = ("torch_default", "normal_0.02", "lecun_normal", "xavier")
+INIT_SCHEMES = ("torch_default", "normal_0.02", "lecun_normal", "xavier", "xavier_normal")
 
 
 # §0 -------------------------------------------------------------------------------------------
@@ -154,12 +154,13 @@ def delta_ffn(xi: ArrayLike, t: ArrayLike, n: int, a: ArrayLike) -> ArrayLike:
 def kernel_variance(scheme: str, fan_in: int, fan_out: int) -> float:
     """Entry variance of a ``[fan_in, fan_out]`` matrix under the init ``scheme``
     (``postnorm.model.initializers`` draws them): torch_default 1/(3 fan_in), normal_0.02
-    4e-4, lecun_normal 1/fan_in, xavier 2/(fan_in + fan_out)."""
+    4e-4, lecun_normal 1/fan_in, xavier and xavier_normal 2/(fan_in + fan_out)."""
     variances = {
         "torch_default": 1.0 / (3.0 * fan_in),
         "normal_0.02": 0.02**2,
         "lecun_normal": 1.0 / fan_in,
         "xavier": 2.0 / (fan_in + fan_out),
+        "xavier_normal": 2.0 / (fan_in + fan_out),
     }
     if scheme not in variances:
         raise ValueError(f"model.init={scheme!r} is not one of {INIT_SCHEMES}")
