@@ -68,7 +68,7 @@ import ml_collections
 import numpy as np
 from absl import app, flags, logging
 
-from configs.sweeps.leaderboard import METHODS, method_label, method_of
+from configs.sweeps.leaderboard import ALL_METHODS, method_label, method_of
 from postnorm.analysis.figures import save_figure
 from postnorm.analysis.report import write_report
 from postnorm.analysis.run_measures import run_measures
@@ -100,7 +100,7 @@ flags.DEFINE_string("out_dir", None, "Directory for the runs, the table and the 
 flags.DEFINE_string("sweep", "configs/sweeps/leaderboard.py", "The plan: a sweep file whose "
                     "runs set the leaderboard's method fields, e.g. "
                     "configs/sweeps/leaderboard.py:grid.")
-flags.DEFINE_list("methods", list(METHODS), "Keep the plan's runs of these methods.")
+flags.DEFINE_list("methods", list(ALL_METHODS), "Keep the plan's runs of these methods.")
 flags.DEFINE_string("shard", "0/1", "i/n: train every n-th run of the plan, starting at i.")
 flags.DEFINE_integer("workers", 1, "Train this shard's runs in this many CPU-pinned processes.")
 flags.DEFINE_bool("report_only", False, "Train nothing: tabulate the runs finished so far.")
@@ -184,7 +184,7 @@ def plot(path: str, entries: list[dict]) -> None:
     """Methods x cells coloured by the mean fresh-batch loss / L_freq; collapsed seeds marked
     ``C k/n`` in a red frame, runs stopped by a non-finite step ``x``, runs of the plan not
     trained yet ``n to run``; cells outside the plan blank."""
-    methods = [m for m in METHODS if any(e["method"] == m for e in entries)]
+    methods = [m for m in ALL_METHODS if any(e["method"] == m for e in entries)]
     cells = sorted({cell_key(e)[1:] for e in entries})
     by_key = {cell_key(e): e for e in entries}
     means = {key: np.mean(e["fresh_loss_over_lfreq"]) for key, e in by_key.items()
@@ -267,7 +267,7 @@ def tabulate(out_dir: str, specs: list[RunSpec], configs: list[ml_collections.Co
                          [os.path.join(out_dir, r["workdir"]) for r in rows],
                          functools.partial(run_measures, fresh_batches=fresh_batches),
                          lambda measures: measures.get("fresh_batches") != fresh_batches)
-    entries = aggregate(rows, list(METHODS), costs)
+    entries = aggregate(rows, list(ALL_METHODS), costs)
     verdicts = method_verdicts(entries)
     write_json_atomic(os.path.join(out_dir, "leaderboard.json"),
                       {"runs": rows, "cells": entries, "methods": verdicts,
@@ -293,7 +293,7 @@ def main(argv: list[str]) -> None:
         return
     start = time.perf_counter()
     check_workers(FLAGS.workers)
-    methods = choice_list("methods", FLAGS.methods, tuple(METHODS))
+    methods = choice_list("methods", FLAGS.methods, tuple(ALL_METHODS))
     index, count = parse_shard(FLAGS.shard)
     base, specs = chosen_plan(FLAGS.sweep, methods)
     configs = planned_configs(base, specs, {})

@@ -75,8 +75,20 @@ METHODS: dict[str, dict[str, object]] = {
     "post_monitor_rollback": {"model.norm": "post", "monitor.action": "lr_scale",
                               "monitor.rollback": True, "train.ckpt_every": 10},
 }
+# The published baselines in their published form (variant ``published``), trained into their
+# own archive until the board is regenerated with them; ``b2t_published`` then becomes the B2T row.
+PUBLISHED: dict[str, dict[str, object]] = {
+    # B2T's released code: every layer matrix x L^(-1/2) with the connection on, and gradient
+    # clipping at 0.1 (its README's training command)
+    "b2t_published": {"model.norm": "b2t", "model.b2t_rescaled_init": True,
+                      "opt.clip_norm": 0.1},
+    # DeepNet's init: Xavier normal, beta on W_V, W_O and the FFN (gain 1 on W_Q, W_K)
+    "deepnorm_xavier": {"model.norm": "deepnorm", "model.init": "xavier_normal"},
+}
+ALL_METHODS = {**METHODS, **PUBLISHED}
 # Every field a method sets, at its default elsewhere, so that each run id names its method.
 METHOD_FIELDS = {"model.norm": "post", "model.b2t_rescaled_init": False, "model.qk_norm": False,
+                 "model.init": "torch_default", "opt.clip_norm": 0.0,
                  "model.init_tsim_target": 0.0, "model.residual_budget": "none",
                  "model.adaptive_initial_mix": 1.0, "train.placement_controller": True,
                  "train.grad_repair": False, "opt.diversity_weight": 0.0, "opt.z_loss": 0.0,
@@ -92,7 +104,7 @@ THREE_SEED_CELLS = {(48, 1e-3), (48, 3e-3), (24, 1e-3), (24, 3e-3), (12, 3e-3)}
 
 def method_of(overrides: dict[str, object]) -> str:
     """The method whose fields a run's overrides hold."""
-    for name, fields in METHODS.items():
+    for name, fields in ALL_METHODS.items():
         if all(overrides.get(k, v) == fields.get(k, v) for k, v in METHOD_FIELDS.items()):
             return name
     raise ValueError(f"no method of the leaderboard sets {overrides}")
@@ -124,7 +136,7 @@ def run_name(overrides: dict[str, object]) -> str:
 
 
 def _run(method: str, lr: float, seed: int, **extra: object) -> dict[str, object]:
-    return {**METHOD_FIELDS, **METHODS[method], "opt.lr": lr, "seed": seed, **extra}
+    return {**METHOD_FIELDS, **ALL_METHODS[method], "opt.lr": lr, "seed": seed, **extra}
 
 
 def _grid() -> list[dict[str, object]]:
@@ -145,11 +157,14 @@ def _grid() -> list[dict[str, object]]:
 
 def get_sweep(arg: str | None = None) -> list[dict[str, object]]:
     """One dict of config overrides per run; ``arg`` ``"blocked"`` gives the kernel check,
-    ``"grid"`` the full grid."""
+    ``"grid"`` the full grid, ``"published"`` the ``PUBLISHED`` baselines at 48 layers, both
+    lrs, three seeds."""
     if arg in (None, ""):
         return [_run(method, lr, seed) for seed in SEEDS for method in METHODS for lr in LRS]
     if arg == "blocked":
         return [_run(method, 3e-3, 0, **{"model.attention": "blocked"}) for method in METHODS]
     if arg == "grid":
         return _grid()
-    raise ValueError(f"unknown sweep variant {arg!r}; known: blocked, grid")
+    if arg == "published":
+        return [_run(method, lr, seed) for seed in SEEDS for method in PUBLISHED for lr in LRS]
+    raise ValueError(f"unknown sweep variant {arg!r}; known: blocked, grid, published")
