@@ -67,6 +67,10 @@ def test_summarize_reports_hand_computed_ratios(tmp_path):
     assert got["train_loss_over_lfreq"] == pytest.approx(loss / LFREQ, rel=1e-12)
     assert got["train_loss_over_floor"] == pytest.approx(loss / floor, rel=1e-12)
     assert got["final_eval_loss"] == 5.5  # the last eval, not the first
+    evals = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+             if "eval/loss" in r]
+    assert got["eval_curve"] == [[r["step"], r["eval/loss"]] for r in evals]
+    assert len(got["eval_curve"]) > 1 and got["eval_curve"][-1][1] == 5.5
     assert got["eval_floor"] == 5.1
     assert got["eval_loss_over_floor"] == pytest.approx(5.5 / 5.1, rel=1e-12)
     assert got["diag_steps"] == [1, 30]

@@ -11,8 +11,9 @@ from postnorm.workdir.metrics import MetricsFileError, layer_series, read_metric
 
 def summarize(workdir: str, early_layers: int = 4, tail: int = 3) -> dict:
     """Final loss (mean of the last ``tail`` logged steps) against L_freq and against the same
-    batches' frequency floor, and the change of ||dL/dX|| at the attention input of the early
-    layers and of the last layer, from the first diagnostic step to the last."""
+    batches' frequency floor, the held-out loss at every evaluation (``eval_curve``: [step,
+    loss] pairs, the validation split), and the change of ||dL/dX|| at the attention input of
+    the early layers and of the last layer, from the first diagnostic step to the last."""
     records = read_metrics(workdir)
     train = train_loss_and_floor(records)
     lfreq = lfreq_of(records)
@@ -30,6 +31,7 @@ def summarize(workdir: str, early_layers: int = 4, tail: int = 3) -> dict:
         "train_loss_over_floor": final_loss / final_floor,
         "eval_floor": eval_floor,
         "eval_loss_over_floor": evals[-1]["eval/loss"] / eval_floor if eval_floor else None,
+        "eval_curve": [[int(r["step"]), float(r["eval/loss"])] for r in evals],
     }
     series = layer_series(records)
     if "dldx_norm_attn" in series:
