@@ -111,3 +111,32 @@ def forward(params: dict, tokens_L: np.ndarray, *, n_layers: int, n_heads: int, 
     if tie:
         return x @ emb.T / np.sqrt(emb.shape[1])
     return x @ np.asarray(params["lm_head"], np.float64)
+
+
+def admin_forward(params: dict, tokens_BxL: np.ndarray, *, n_layers: int, n_heads: int,
+                  positions: str, eps: float, rope_base: float, tie: bool,
+                  profile: bool = False) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """Admin's logits ``[B, L, V]`` of a batch: X <- N(omega * X + F(X)) at every sublayer, omega
+    its norm's ``admin_omega``. With ``profile``, omega is instead the released code's profiling
+    rule, written out here: 1 at the first sublayer, then sqrt(var(omega X) + var(F)) over every
+    entry of the batch for the next; also returns those omegas ``[n_layers, 2]``."""
+    x = np.asarray(params["embedding"], np.float64)[tokens_BxL]
+    if positions == "learned":
+        x = x + np.asarray(params["pos_embedding"], np.float64)[: tokens_BxL.shape[1]]
+    ratio, omegas_Lx2 = 1.0, np.empty((n_layers, 2))
+    for layer in range(n_layers):
+        p = layer_params(params, layer)
+        for sub, name in enumerate(("attn", "ffn")):
+            branch = np.stack([attention(row, p["attn"], n_heads, positions, rope_base, eps)
+                               if name == "attn" else swiglu(row, p["ffn"]) for row in x])
+            norm_p = p[f"norm_{name}"]
+            omega = norm_p["admin_omega"]
+            if profile:
+                omega = np.full(x.shape[-1], ratio)
+                omegas_Lx2[layer, sub] = ratio
+                ratio = np.sqrt(np.var(omega * x) + np.var(branch))
+            x = rms_norm(omega * x + branch, norm_p["scale"], eps)
+    emb = np.asarray(params["embedding"], np.float64)
+    logits = x @ emb.T / np.sqrt(emb.shape[1]) if tie else x @ np.asarray(params["lm_head"],
+                                                                           np.float64)
+    return (logits, omegas_Lx2) if profile else logits

@@ -1,12 +1,17 @@
 """Residual-norm budgeting: the branch scale against a numpy solution of its constraint, the bound
-it keeps on the diagnostics' c, finite gradients, the hinge penalty against numpy, the objective
-it enters, and the configs it refuses."""
+it keeps on the diagnostics' c, finite gradients, the logged fractions of scaled and switched-off
+branches against numpy, the hinge penalty against numpy, the objective it enters, and the configs
+it refuses."""
+
+import functools
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax.training.train_state import TrainState
 
 from configs.default import get_config
 from postnorm.config.schema import ConfigError
@@ -14,7 +19,9 @@ from postnorm.diagnostics.taps import zero_probes
 from postnorm.model import Decoder, ModelSpec
 from postnorm.model.layers import BUDGET_COLLECTION, budget_branch_scale, cap_rms
 from postnorm.train.losses import make_loss
+from postnorm.train.steps import diag_step
 from postnorm.train.validate import check_config
+from postnorm.workdir.metrics import MetricWriter, flatten_diagnostics, layer_series, read_jsonl
 from tests import numpy_reference as ref
 
 TINY = dict(vocab_size=50, max_len=12, n_layers=3, d_model=16, n_heads=4, d_ff=24)
@@ -168,3 +175,77 @@ def test_the_penalty_is_the_hinge_of_every_norm_input_against_numpy():
 def test_bad_budget_fields_name_the_field(fields, message):
     with pytest.raises(ConfigError, match=message):
         check_config(get_config(fields), device_count=1)
+
+
+def numpy_branch_scales(spec: ModelSpec, params: dict, tokens_BxL: np.ndarray
+                        ) -> dict[str, np.ndarray]:
+    """beta [n_layers, B, L] of each sublayer, and (numpy_margin) the smallest distance, over
+    every token, of the skip's square norm from the limit and of the sum's at beta = 1 from it
+    (relative to the limit): an unscanned float64 Post-Norm forward under the budget, each beta
+    from ``numpy_largest_beta``."""
+    numpy_params = jax.tree.map(lambda v: np.asarray(v, np.float64), params)
+    c, eps, d = spec.residual_budget_c, spec.norm_eps, spec.d_model
+    betas = {kind: np.zeros((spec.n_layers, *tokens_BxL.shape)) for kind in ("attn", "ffn")}
+    margin = np.inf
+    for b, tokens_L in enumerate(tokens_BxL):
+        x = numpy_params["embedding"][tokens_L]
+        x = x / np.maximum(1, np.sqrt(np.mean(x**2, axis=-1, keepdims=True)))  # the cap
+        for layer in range(spec.n_layers):
+            p = ref.layer_params(numpy_params, layer)
+            for kind, fn in (("attn", lambda z, p=p: ref.attention(z, p["attn"], 4, "none", 1e4)),
+                             ("ffn", lambda z, p=p: ref.swiglu(z, p["ffn"]))):
+                scale = p[f"norm_{kind}"]["scale"]
+                limit_sq = d * (np.mean(scale**2) / c**2 - eps)
+                f = fn(x)
+                beta = np.array([numpy_largest_beta(x[t], f[t], limit_sq) for t in range(len(x))])
+                betas[kind][layer, b] = beta
+                over_at_0 = np.sum(x**2, -1) - limit_sq
+                over_at_1 = np.sum((x + f) ** 2, -1) - limit_sq
+                margin = min(margin, np.abs(over_at_0).min() / limit_sq,
+                             np.abs(over_at_1).min() / limit_sq)
+                x = ref.rms_norm(x + beta[:, None] * f, scale, eps)
+    return {**betas, "numpy_margin": margin}
+
+
+def test_the_logged_branch_scale_fractions_against_numpy(tmp_path):
+    """diag/budget_scaled_<kind> (beta < 1) and diag/budget_off_<kind> (beta = 0) per layer, as
+    the diagnostic step computes them and metrics.jsonl holds them, against the fractions of an
+    unscanned numpy forward's beta. The branch matrices are the initial ones scaled 2x, and each
+    norm's gain a vector drawn per layer around a level in [0.75, 1.15], so that some skips (the
+    previous norm's output, RMS about that norm's gain) are over the budget and some are not."""
+    spec = ModelSpec(**TINY, norm="post", positions="none", residual_budget="scale",
+                     residual_budget_c=0.9)
+    params = nn.unbox(Decoder(spec).init(jax.random.key(0), jnp.zeros((1, 12), jnp.int32))[
+        "params"])
+    rng = np.random.default_rng(4)
+    for kind in ("attn", "ffn"):
+        params["layers"][kind] = jax.tree.map(lambda w: 2 * w, params["layers"][kind])
+        level_Lx1 = rng.uniform(0.75, 1.15, size=(spec.n_layers, 1))
+        gains_LxD = level_Lx1 * rng.uniform(0.6, 1.4, size=(spec.n_layers, spec.d_model))
+        params["layers"][f"norm_{kind}"]["scale"] = jnp.asarray(gains_LxD, jnp.float32)
+    tokens = rng.integers(0, 50, size=(4, 12))
+    want = numpy_branch_scales(spec, params, tokens)
+    assert want["numpy_margin"] > 1e-4  # no token lies on a boundary float32 could cross
+    state = TrainState.create(apply_fn=Decoder(spec).apply, params=params, tx=optax.sgd(0.0))
+    step = functools.partial(diag_step, schedule=optax.constant_schedule(0.0),
+                             loss=make_loss(get_config("model.residual_budget=scale")))
+    _, _, diagnostics = jax.device_get(jax.jit(step)(
+        state, {"inputs": jnp.asarray(tokens), "targets": jnp.asarray(tokens)}))
+    writer = MetricWriter(str(tmp_path))
+    writer.write_scalars(1, flatten_diagnostics(diagnostics))
+    writer.close()
+    series = layer_series(read_jsonl(str(tmp_path / "metrics.jsonl")))
+    for name, is_counted in (("budget_scaled", lambda b: b < 1), ("budget_off", lambda b: b == 0)):
+        fractions = []
+        for kind in ("attn", "ffn"):
+            fraction_L = np.mean(is_counted(want[kind]), axis=(1, 2))
+            steps, got_Lx1 = series[f"{name}_{kind}"]
+            assert list(steps) == [1]
+            np.testing.assert_allclose(got_Lx1[:, 0], fraction_L, rtol=0, atol=1e-7,
+                                       err_msg=f"{name}_{kind}")
+            fractions.append(fraction_L)
+        fractions = np.concatenate(fractions)  # the case has partial fractions, unlike ones
+        assert ((fractions > 0) & (fractions < 1)).any() and len(set(fractions)) > 2, name
+    plain = ModelSpec(**TINY, norm="post", positions="none")
+    (_, unbudgeted), _ = diag_forward(plain, params, jnp.asarray(tokens))
+    assert not any(key.startswith("budget_") for key in unbudgeted)

@@ -12,6 +12,7 @@ from flax.training.train_state import TrainState
 
 from postnorm.diagnostics.taps import gradient_stats, zero_probes
 from postnorm.model import Decoder, ModelSpec
+from postnorm.model.placements import PLACEMENTS
 from postnorm.train.losses import Loss, cross_entropy
 from postnorm.train.steps import diag_step, train_step, with_update_norms
 from postnorm.workdir.metrics import flatten_diagnostics, layer_key
@@ -29,6 +30,10 @@ KERNELS = {"einsum": {}, "blocked": dict(attention="blocked", attention_block=5)
 # with Post-Norm, to keep the suite's compile time down.
 NORMS_AND_KERNELS = [("post", "einsum"), ("pre", "einsum"),
                      pytest.param("post", "blocked", marks=pytest.mark.slow)]
+# Every registered arrangement with the einsum kernel; the other kernels' repeats are slow.
+TAPPED = [*((norm, "einsum") for norm in PLACEMENTS),
+          pytest.param("post", "blocked", marks=pytest.mark.slow), ("pre", "default"),
+          pytest.param("b2t", "default", marks=pytest.mark.slow)]
 
 
 @functools.cache
@@ -48,32 +53,37 @@ def rope_base(spec):
 
 @functools.partial(jax.jit, static_argnums=0)
 def reference_cotangents(spec, params, inputs, targets):
-    """dL/dX_k at every sublayer input and at the final hidden state, via jax.vjp."""
-    maps = ref.sublayers(params, n_layers=spec.n_layers, n_heads=spec.n_heads, norm=spec.norm,
-                         eps=spec.norm_eps, rope_base=rope_base(spec))
-    xs = [params["embedding"][inputs]]
-    for f in maps:
-        xs.append(f(xs[-1]))
+    """The unscanned reference's logits, and dL/dX_k at every sublayer input and at the final
+    hidden state via jax.vjp: at a layer's input, through every use of it (B2T's layer skip
+    included); at an FFN input h, with the layer's input held fixed."""
+    maps = ref.sublayers(params, spec)
+    post_mix_Lx2 = PLACEMENTS[spec.norm].post_mix(spec)
 
-    def loss_from(k):
-        def run(x):
-            for f in maps[k:]:
-                x = f(x)
-            return cross_entropy(ref.head(params, x, norm=spec.norm, eps=spec.norm_eps), targets)
-        return run
+    def loss_of(x):
+        logits = ref.head(params, x, norm=spec.norm, eps=spec.norm_eps,
+                          post_mix_Lx2=post_mix_Lx2)
+        return cross_entropy(logits, targets)
 
+    inputs_k, last = ref.stream(maps, ref.embed(params, inputs, spec))
     cotangents = []
-    for k in range(len(maps) + 1):
-        _, vjp = jax.vjp(loss_from(k), xs[k])
+    for k, (x, layer_input) in [*enumerate(inputs_k), (len(maps), (last, None))]:
+        _, vjp = jax.vjp(lambda x, k=k, layer_input=layer_input:
+                         loss_of(ref.run_from(maps, k, x, layer_input)), x)
         cotangents.append(vjp(jnp.ones(()))[0])
-    return cotangents
+    logits = ref.head(params, last, norm=spec.norm, eps=spec.norm_eps, post_mix_Lx2=post_mix_Lx2)
+    return logits, cotangents
 
 
 @functools.cache
-def reference_cotangents_of(norm: str, kernel: str) -> list[np.ndarray]:
+def reference_of(norm: str, kernel: str) -> tuple[np.ndarray, list[np.ndarray]]:
     """reference_cotangents of setup(norm, kernel=kernel), in float64."""
     spec, _, params, inputs, targets = setup(norm, kernel=kernel)
-    return [np.asarray(g, np.float64) for g in reference_cotangents(spec, params, inputs, targets)]
+    logits, cotangents = reference_cotangents(spec, params, inputs, targets)
+    return np.asarray(logits, np.float64), [np.asarray(g, np.float64) for g in cotangents]
+
+
+def reference_cotangents_of(norm: str, kernel: str) -> list[np.ndarray]:
+    return reference_of(norm, kernel)[1]
 
 
 @functools.cache
@@ -87,18 +97,23 @@ def diag_step_of(norm: str, kernel: str = "einsum"):
     return jax.device_get(jax.jit(step)(state, {"inputs": inputs, "targets": targets}))
 
 
-@pytest.mark.parametrize(("norm", "kernel"), [*NORMS_AND_KERNELS, ("pre", "default")])
+@pytest.mark.parametrize(("norm", "kernel"), TAPPED)
 def test_tap_statistics_match_vjp_cotangents(norm, kernel):
+    """For every arrangement in the registry: the reference computes the model's logits, and
+    each tap reports the statistics of its sublayer input's whole cotangent."""
     spec, model, params, inputs, targets = setup(norm, kernel=kernel)
 
     def loss_fn(probes):
         logits, _ = model.apply({"params": params}, inputs, probes=probes)
-        return cross_entropy(logits, targets)
+        return cross_entropy(logits, targets), logits
 
-    probe_grads = jax.jit(jax.grad(loss_fn))(zero_probes(spec.n_layers))
+    probe_grads, logits = jax.jit(jax.grad(loss_fn, has_aux=True))(zero_probes(spec.n_layers))
+    want_logits, cotangents = reference_of(norm, kernel)
+    np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5,
+                               err_msg="the reference is not the model's forward")
     got_Kx3 = np.concatenate([np.asarray(probe_grads["layers"]).reshape(-1, 3),
                               np.asarray(probe_grads["final"])[None]])
-    for k, g in enumerate(reference_cotangents_of(norm, kernel)):
+    for k, g in enumerate(cotangents):
         mean = g.mean(axis=1, keepdims=True)
         want = [np.sum(g**2), g.shape[1] * np.sum(mean**2), np.sum((g - mean) ** 2)]
         np.testing.assert_allclose(got_Kx3[k], want, rtol=1e-5, err_msg=f"tap {k}")

@@ -48,7 +48,11 @@ letter (their loss stays at the floor). Chosen when every method that could stil
 collapse had its six runs in; the methods with runs left had collapsed on one already.
 """
 
+import json
+import os
+
 from configs.default import get_config
+from postnorm.model.placements import profile_text
 
 BASE_CONFIG = "configs/default.py"
 
@@ -75,20 +79,31 @@ METHODS: dict[str, dict[str, object]] = {
     "post_monitor_rollback": {"model.norm": "post", "monitor.action": "lr_scale",
                               "monitor.rollback": True, "train.ckpt_every": 10},
 }
-# The published baselines in their published form (variant ``published``), trained into their
-# own archive until the board is regenerated with them; ``b2t_published`` then becomes the B2T row.
-PUBLISHED: dict[str, dict[str, object]] = {
+# The methods as revised since the 300-step board (variant ``revised``), trained into their own
+# archive until the board is regenerated with them: the published baselines in their published
+# form (``b2t_published`` then becomes the B2T row), Admin, and the adaptive placement with the
+# two-way controller and its control, the final lambda profile of the same lr and seed fixed from
+# step 0 (``adaptive_own_profile``: planned once that run is archived).
+REVISED: dict[str, dict[str, object]] = {
     # B2T's released code: every layer matrix x L^(-1/2) with the connection on, and gradient
     # clipping at 0.1 (its README's training command)
     "b2t_published": {"model.norm": "b2t", "model.b2t_rescaled_init": True,
                       "opt.clip_norm": 0.1},
     # DeepNet's init: Xavier normal, beta on W_V, W_O and the FFN (gain 1 on W_Q, W_K)
     "deepnorm_xavier": {"model.norm": "deepnorm", "model.init": "xavier_normal"},
+    # Admin: omega from a profiling pass at init
+    "admin": {"model.norm": "admin"},
+    # lambda moved by the backward gain across each sublayer, which clears at Pre
+    "adaptive_two_way": {"model.norm": "adaptive", "train.placement_signal": "two_way"},
+    # a non-empty model.adaptive_profile marks it (``method_of``); the profile is the run's
+    "adaptive_own_profile": {"model.norm": "adaptive", "train.placement_controller": False},
 }
-ALL_METHODS = {**METHODS, **PUBLISHED}
+REVISED_ARCHIVE = "results/leaderboard_revised/runs"
+ALL_METHODS = {**METHODS, **REVISED}
 # Every field a method sets, at its default elsewhere, so that each run id names its method.
 METHOD_FIELDS = {"model.norm": "post", "model.b2t_rescaled_init": False, "model.qk_norm": False,
                  "model.init": "torch_default", "opt.clip_norm": 0.0,
+                 "train.placement_signal": "post_input_c", "model.adaptive_profile": "",
                  "model.init_tsim_target": 0.0, "model.residual_budget": "none",
                  "model.adaptive_initial_mix": 1.0, "train.placement_controller": True,
                  "train.grad_repair": False, "opt.diversity_weight": 0.0, "opt.z_loss": 0.0,
@@ -103,7 +118,13 @@ THREE_SEED_CELLS = {(48, 1e-3), (48, 3e-3), (24, 1e-3), (24, 3e-3), (12, 3e-3)}
 
 
 def method_of(overrides: dict[str, object]) -> str:
-    """The method whose fields a run's overrides hold."""
+    """The method whose fields a run's overrides hold (a fixed lambda profile: the control
+    ``adaptive_own_profile``, whatever its values)."""
+    if overrides.get("model.adaptive_profile"):
+        overrides = {**overrides, "model.adaptive_profile": ""}
+        if method_of(overrides) == "adaptive_own_profile":
+            return "adaptive_own_profile"
+        raise ValueError(f"no method of the leaderboard sets {overrides} with a fixed profile")
     for name, fields in ALL_METHODS.items():
         if all(overrides.get(k, v) == fields.get(k, v) for k, v in METHOD_FIELDS.items()):
             return name
@@ -155,16 +176,36 @@ def _grid() -> list[dict[str, object]]:
             for method, layers, lr, warmup, seeds in cells if seed < seeds]
 
 
+def _revised(archive_dir: str) -> list[dict[str, object]]:
+    """The ``REVISED`` methods at 48 layers, warmup 20, both lrs, three seeds; each
+    ``adaptive_own_profile`` run once its ``adaptive_two_way`` run is in ``archive_dir``."""
+    plan = []
+    for seed in SEEDS:
+        for method in REVISED:
+            for lr in LRS:
+                run = _run(method, lr, seed)
+                if method == "adaptive_own_profile":
+                    two_way = _run("adaptive_two_way", lr, seed)
+                    path = os.path.join(archive_dir, f"{run_name(two_way)}.json")
+                    if not os.path.exists(path):
+                        continue
+                    with open(path) as f:
+                        final = json.load(f)["result"]["final_post_mix"]
+                    run["model.adaptive_profile"] = profile_text(final)
+                plan.append(run)
+    return plan
+
+
 def get_sweep(arg: str | None = None) -> list[dict[str, object]]:
     """One dict of config overrides per run; ``arg`` ``"blocked"`` gives the kernel check,
-    ``"grid"`` the full grid, ``"published"`` the ``PUBLISHED`` baselines at 48 layers, both
-    lrs, three seeds."""
+    ``"grid"`` the full grid, ``"revised"`` the ``REVISED`` methods at 48 layers, both lrs,
+    three seeds."""
     if arg in (None, ""):
         return [_run(method, lr, seed) for seed in SEEDS for method in METHODS for lr in LRS]
     if arg == "blocked":
         return [_run(method, 3e-3, 0, **{"model.attention": "blocked"}) for method in METHODS]
     if arg == "grid":
         return _grid()
-    if arg == "published":
-        return [_run(method, lr, seed) for seed in SEEDS for method in PUBLISHED for lr in LRS]
-    raise ValueError(f"unknown sweep variant {arg!r}; known: blocked, grid, published")
+    if arg == "revised":
+        return _revised(REVISED_ARCHIVE)
+    raise ValueError(f"unknown sweep variant {arg!r}; known: blocked, grid, revised")

@@ -74,6 +74,28 @@ def plot_heatmaps(series: dict, out_dir: str) -> list[str]:
     return paths
 
 
+def plot_post_mix(series: dict, out_dir: str) -> str | None:
+    """lambda, each sublayer's Post-Norm share, per diagnostic step (the lambda it ran with) as
+    a sublayer x step heatmap on [0, 1], sublayer 2l the attention and 2l + 1 the FFN of layer
+    l; None where the run logged no lambda (no adaptive placement)."""
+    if "post_mix_attn" not in series:
+        return None
+    steps, attn_LxS = series["post_mix_attn"]
+    mix_KxS = np.empty((2 * attn_LxS.shape[0], len(steps)))
+    mix_KxS[0::2], mix_KxS[1::2] = attn_LxS, series["post_mix_ffn"][1]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    image = ax.pcolormesh(cell_edges(steps), np.arange(mix_KxS.shape[0] + 1) - 0.5,
+                          np.ma.masked_invalid(mix_KxS), shading="flat", vmin=0.0, vmax=1.0)
+    ax.set_title("Post-Norm share lambda (1: Post, 0: Pre)", fontsize=9)
+    ax.set_xlabel("step")
+    ax.set_ylabel("sublayer (2 x layer; + 1: FFN)")
+    plt.colorbar(image, ax=ax)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "heatmap_post_mix.png")
+    save_figure(fig, path, dpi=110)
+    return path
+
+
 def plot_loss(records: list[dict], out_dir: str) -> str | None:
     train = [(r["step"], r["train/loss"]) for r in records if "train/loss" in r]
     evals = [(r["step"], r["eval/loss"]) for r in records if "eval/loss" in r]
@@ -109,8 +131,8 @@ def render_run_plots(workdir: str) -> list[str]:
         logging.warning("%s has no per-layer diagnostics (diag.every): no heatmaps, only the "
                         "loss plot", Workdir(workdir).metrics)
     paths = plot_heatmaps(series, out_dir)
-    loss_path = plot_loss(records, out_dir)
-    return paths + ([loss_path] if loss_path else [])
+    paths += [p for p in (plot_post_mix(series, out_dir), plot_loss(records, out_dir)) if p]
+    return paths
 
 
 def plots_after_training(workdir: str) -> None:

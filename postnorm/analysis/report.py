@@ -19,7 +19,7 @@ from postnorm.analysis.collapse import (
     train_loss_and_floor,
 )
 from postnorm.analysis.collapse_figures import render_collapse_figures
-from postnorm.analysis.figures import plot_heatmaps
+from postnorm.analysis.figures import plot_heatmaps, plot_post_mix
 from postnorm.diagnostics.early_warning import monitor_rule_from
 from postnorm.files import from_text, replace_file
 from postnorm.train.monitor_actions import recorded_actions
@@ -156,6 +156,8 @@ def build_report(workdir: str, fallback_config: dict | None = None,
     name = os.path.basename(os.path.abspath(workdir))
     figures = render_collapse_figures(records, collapse, plot_dir, title=name)
     heatmaps = plot_heatmaps(series, plot_dir)
+    if post_mix := plot_post_mix(series, plot_dir):
+        heatmaps.append(post_mix)
 
     train = [(r["step"], r["train/loss"]) for r in records if "train/loss" in r]
     evals = [r for r in records if "eval/loss" in r]

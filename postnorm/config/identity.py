@@ -40,6 +40,9 @@ FIELDS_ADDED = (
      "monitor.clip_norm", "monitor.clip_factor"),
     # the diagnostic step's dense early phase
     ("diag.dense_every", "diag.dense_until"),
+    # the adaptive placement's two-way signal (the default keeps the one-way signal of the runs
+    # recorded before it) and its fixed per-sublayer profile
+    ("train.placement_signal", "train.placement_gain_min", "model.adaptive_profile"),
 )
 DEFAULTS_KEEP_EARLIER_RUNS = tuple(field for added in FIELDS_ADDED for field in added)
 

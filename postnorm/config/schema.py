@@ -25,12 +25,17 @@ def base_config() -> ml_collections.ConfigDict:
     c.model.n_heads = 4
     c.model.d_ff = 192
     # a residual/norm arrangement of postnorm.model.placements: post | pre | deepnorm | mixln |
-    # sandwich | periln | b2t | adaptive (docs/METHODS.md)
+    # sandwich | periln | b2t | adaptive | admin (docs/METHODS.md; admin profiles its skip
+    # weights on the run's first training batch)
     c.model.norm = "post"
     c.model.mixln_post_fraction = 0.25  # mixln: the first ceil(fraction * n_layers) are Post
     # adaptive: every sublayer's Post-Norm share lambda at init (1: Post-Norm, 0: Pre-Norm); with
     # train.placement_controller it then moves, else it stays (a fixed profile)
     c.model.adaptive_initial_mix = 1.0
+    # adaptive: lambda per sublayer at init, one value in [0, 1] per sublayer separated by
+    # spaces, layer by layer, attention then FFN (2 n_layers values: a run's final_post_mix,
+    # flattened; postnorm.model.placements.profile_text); '' uses adaptive_initial_mix
+    c.model.adaptive_profile = ""
     c.model.b2t_rescaled_init = False  # b2t: every layer matrix drawn x n_layers^(-1/2)
     c.model.qk_norm = False  # RMSNorm on each head's q and k before the logits
     # similarity-aware init: W_O's gain solved so that the mean-field recursion keeps tsim after
@@ -107,12 +112,16 @@ def base_config() -> ml_collections.ConfigDict:
     c.train.rollback_lr_factor = 0.5  # rollback: the learning rate is multiplied by this
     c.train.max_rollbacks = 3  # rollback: after this many, stop as abort does
     # model.norm=adaptive: at every diagnostic step (diag.every) lambda of each sublayer whose
-    # mean contraction c falls under placement_c_min, or whose input tsim rises over
-    # placement_tsim_max, drops by placement_rate_down; every other lambda rises by
-    # placement_rate_up (postnorm.train.placement_control)
+    # signal alarms drops by placement_rate_down; every other lambda rises by placement_rate_up
+    # (postnorm.train.placement_control). placement_signal: post_input_c (one way: the mean
+    # contraction c of its Post norm under placement_c_min, or its input's tsim over
+    # placement_tsim_max; the runs recorded before the field) | two_way (its backward gain
+    # ||dL/dX_in|| / ||dL/dX_out|| under placement_gain_min)
     c.train.placement_controller = True
+    c.train.placement_signal = "post_input_c"
     c.train.placement_c_min = 0.9
     c.train.placement_tsim_max = 0.9
+    c.train.placement_gain_min = 0.9
     c.train.placement_rate_down = 0.25
     c.train.placement_rate_up = 0.02
     # gradient repair: backward, the signal reaching every residual norm's input is multiplied

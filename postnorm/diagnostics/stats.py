@@ -132,6 +132,16 @@ def sublayer_stats(x_BxLxD: jax.Array, branch_BxLxD: jax.Array, y_BxLxD: jax.Arr
     }
 
 
+@in_stats_scope
+def branch_scale_stats(beta_BxLx1: jax.Array) -> dict[str, jax.Array]:
+    """The residual budget's per-token branch scale beta (``model.residual_budget=scale``): the
+    fraction of tokens whose branch it scales down (beta < 1) and whose branch it switches off
+    (beta = 0, where the skip alone is over the budget)."""
+    beta = _f32(beta_BxLx1)
+    return {"budget_scaled": jnp.mean((beta < 1).astype(jnp.float32)),
+            "budget_off": jnp.mean((beta == 0).astype(jnp.float32))}
+
+
 def layer_norms(layer_params: dict) -> dict[str, jax.Array]:
     """||.|| per layer of the attention, FFN and norm-gain parameters: {group: [n_layers]}."""
 

@@ -7,18 +7,22 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from postnorm.diagnostics.stats import sublayer_stats, tsim
+from postnorm.diagnostics.stats import branch_scale_stats, sublayer_stats, tsim
 from postnorm.diagnostics.taps import tap
 from postnorm.kernels.causal_attention import KERNEL_RESIDUALS
 from postnorm.model.initializers import embedding_init
 from postnorm.model.layers import (
+    ADMIN_CARRY,
+    ADMIN_PROFILE,
     BUDGET_COLLECTION,
+    AdminNorm,
     CausalSelfAttention,
     ResidualNorm,
     RMSNorm,
     SwiGLU,
     cap_rms,
     dense_kernel,
+    flat_variance,
     token_matmul,
 )
 from postnorm.model.placements import PLACEMENTS, SublayerIn, init_gains
@@ -40,16 +44,21 @@ class SublayerNorms:
     """The ``placements.Norms`` of one sublayer inside ``Block``: each norm is created on first
     use, named ``norm_<kind><suffix>``; without a residual budget, the residual sum's norm is a
     plain RMSNorm of skip + F. Gradient repair (``spec.grad_repair``) acts at the residual
-    sums' norms only: they alone contract the skip path."""
+    sums' norms only: they alone contract the skip path. ``branch_scales``: {suffix: the branch
+    scale beta [B, L, 1] its residual norm applied} (``model.residual_budget=scale`` only).
+    ``admin_ratio``: the running ratio of Admin's profiling pass (a variable of ``Block``), only
+    during that pass."""
 
-    def __init__(self, kind: str, spec: ModelSpec):
+    def __init__(self, kind: str, spec: ModelSpec, admin_ratio: nn.Variable | None = None):
         self.kind, self.eps = kind, spec.norm_eps
+        self.admin_ratio = admin_ratio
         self.budget, self.budget_c = spec.residual_budget, spec.residual_budget_c
         rule = spec.grad_repair
         self.repair = ({} if rule is None else
                        {"repair_cap": rule.sublayer_cap(spec.n_layers),
                         "repair_threshold": rule.threshold})
         self.created: dict[str, nn.Module] = {}
+        self.branch_scales: dict[str, jax.Array] = {}
 
     def __call__(self, suffix: str) -> RMSNorm:
         if suffix not in self.created:
@@ -71,7 +80,35 @@ class SublayerNorms:
         if suffix not in self.created:
             self.created[suffix] = ResidualNorm(self.eps, self.budget, self.budget_c,
                                                 **self.repair, name=name)
-        return self.created[suffix]
+
+        def budgeted(skip_BxLxD: jax.Array, branch_BxLxD: jax.Array
+                     ) -> tuple[jax.Array, jax.Array]:
+            out_BxLxD, y_BxLxD, beta_BxLx1 = self.created[suffix](skip_BxLxD, branch_BxLxD)
+            if beta_BxLx1 is not None:
+                self.branch_scales[suffix] = beta_BxLx1
+            return out_BxLxD, y_BxLxD
+        return budgeted
+
+    def admin(self, suffix: str) -> Callable[[jax.Array, jax.Array],
+                                             tuple[jax.Array, jax.Array]]:
+        """Admin's norm of omega * skip + F (``layers.AdminNorm``). During the profiling pass,
+        omega is the running ratio (1 at the first sublayer), which then becomes
+        sqrt(Var[omega * skip] + Var[F]) (each over all entries) for the next sublayer: the
+        released code's rule (Transformer-Clinic, ``transformer_layer.py``)."""
+        if suffix not in self.created:
+            self.created[suffix] = AdminNorm(self.eps, **self.repair,
+                                             name=f"norm_{self.kind}{suffix}")
+        norm = self.created[suffix]
+        if self.admin_ratio is None:
+            return norm
+
+        def profiled(skip_BxLxD: jax.Array, branch_BxLxD: jax.Array
+                     ) -> tuple[jax.Array, jax.Array]:
+            omega = self.admin_ratio.value
+            self.admin_ratio.value = jnp.sqrt(flat_variance(omega * skip_BxLxD)
+                                              + flat_variance(branch_BxLxD))
+            return norm(skip_BxLxD, branch_BxLxD, omega)
+        return profiled
 
 
 class Block(nn.Module):
@@ -81,7 +118,8 @@ class Block(nn.Module):
     ``post_mix_2`` is lambda for the two sublayers where the arrangement mixes Post and Pre
     (else None). With ``probes_2xS`` (diagnostic mode) each sublayer input X_k is tapped
     (``postnorm.diagnostics.taps``) and the layer also returns its forward statistics;
-    otherwise it returns ``None``.
+    otherwise it returns ``None``. Given the running ratio of Admin's profiling pass (variable
+    ``ratio`` of ``ADMIN_CARRY``: ``postnorm.model.admin``), its Admin norms take part in it.
     """
 
     spec: ModelSpec
@@ -110,12 +148,15 @@ class Block(nn.Module):
             stats.update(attn_stats)
             return out_BxLxD
 
-        layer_input_BxLxD = x_BxLxD
+        admin_ratio = (self.variable(ADMIN_CARRY, "ratio")
+                       if self.has_variable(ADMIN_CARRY, "ratio") else None)
         for index, (kind, branch_fn, sublayer) in enumerate(
                 zip(SUBLAYERS, (attend, ffn), arrangement.sublayers, strict=True)):
-            norms = SublayerNorms(kind, s)
+            norms = SublayerNorms(kind, s, admin_ratio)
             if diag:
                 x_BxLxD = tap(x_BxLxD, probes_2xS[index])
+            if index == 0:  # after the tap: a layer skip (B2T's) is then a use of the tapped X
+                layer_input_BxLxD = x_BxLxD
             ctx = SublayerIn(layer_input_BxLxD, s.n_layers,
                              None if post_mix_2 is None else post_mix_2[index])
             sub = sublayer(x_BxLxD, branch_fn, norms, ctx)
@@ -124,6 +165,10 @@ class Block(nn.Module):
                 for key, value in sublayer_stats(x_BxLxD, sub.branch, sub.norm_input, scale_D,
                                                  s.norm_eps).items():
                     stats[f"{key}_{kind}"] = value
+                if sub.norm_suffix in norms.branch_scales:
+                    for key, value in branch_scale_stats(
+                            norms.branch_scales[sub.norm_suffix]).items():
+                        stats[f"{key}_{kind}"] = value
             x_BxLxD = sub.out
         return x_BxLxD, (stats if diag else None)
 
@@ -173,8 +218,9 @@ class Decoder(nn.Module):
             x_BxLxD = cap_rms(x_BxLxD)
         x_BxLxD = x_BxLxD.astype(DTYPES[s.dtype])
 
-        stack = nn.scan(layer_class(s), variable_axes={"params": 0, BUDGET_COLLECTION: 0},
-                        split_rngs={"params": True},
+        stack = nn.scan(layer_class(s),
+                        variable_axes={"params": 0, BUDGET_COLLECTION: 0, ADMIN_PROFILE: 0},
+                        variable_carry=ADMIN_CARRY, split_rngs={"params": True},
                         length=s.n_layers, unroll=s.scan_unroll,
                         metadata_params={nn.PARTITION_NAME: "layers"})
         layer_probes = None if probes is None else probes["layers"]

@@ -50,11 +50,56 @@ class RMSNorm(nn.Module):
         d = y_BxLxD.shape[-1]
         scale_D = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
                              (d,), jnp.float32)
-        if self.repair_cap is not None:
-            y_BxLxD = repaired(y_BxLxD, scale_D, self.eps, self.repair_cap, self.repair_threshold)
-        y32 = y_BxLxD.astype(jnp.float32)
-        inv_rms = jax.lax.rsqrt(jnp.mean(y32 * y32, axis=-1, keepdims=True) + self.eps)
-        return (y32 * inv_rms * scale_D).astype(y_BxLxD.dtype)
+        return rms_normalize(y_BxLxD, scale_D, self.eps, self.repair_cap, self.repair_threshold)
+
+
+def rms_normalize(y_BxLxD: jax.Array, scale_D: jax.Array, eps: float, repair_cap: float | None,
+                  repair_threshold: float) -> jax.Array:
+    """``RMSNorm``'s output for gain ``scale_D`` (repaired where ``repair_cap`` is given)."""
+    if repair_cap is not None:
+        y_BxLxD = repaired(y_BxLxD, scale_D, eps, repair_cap, repair_threshold)
+    y32 = y_BxLxD.astype(jnp.float32)
+    inv_rms = jax.lax.rsqrt(jnp.mean(y32 * y32, axis=-1, keepdims=True) + eps)
+    return (y32 * inv_rms * scale_D).astype(y_BxLxD.dtype)
+
+
+ADMIN_CARRY = "admin_carry"  # Admin's profiling pass: its running ratio, carried over the layers
+ADMIN_PROFILE = "admin_profile"  # Admin's profiling pass: the omega it set at each sublayer
+
+
+def flat_variance(x: jax.Array) -> jax.Array:
+    """The variance of all of ``x``'s entries together, in float32 (numpy's ``var`` of the
+    flattened array: about the mean of every entry)."""
+    return jnp.var(x.astype(jnp.float32))
+
+
+class AdminNorm(nn.Module):
+    """Admin's norm of a weighted residual sum (Liu et al. 2020): (N(y), y) with
+    y = omega * skip + F, N an RMSNorm (``scale``) and omega [D] the learnable skip weight
+    ``admin_omega``, which Admin's profiling pass sets at init (``postnorm.model.admin``; 1
+    before it). During that pass, ``profiled_omega`` (a scalar) is omega at every feature and is
+    recorded into ``ADMIN_PROFILE`` as ``admin_omega``. ``repair_cap``, ``repair_threshold``: as
+    ``RMSNorm``'s."""
+
+    eps: float
+    repair_cap: float | None = None
+    repair_threshold: float = 1.0
+
+    @nn.compact
+    def __call__(self, skip_BxLxD: jax.Array, branch_BxLxD: jax.Array,
+                 profiled_omega: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        d = skip_BxLxD.shape[-1]
+        scale_D = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                             (d,), jnp.float32)
+        omega_D = self.param("admin_omega",
+                             nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+                             (d,), jnp.float32)
+        if profiled_omega is not None:
+            omega_D = jnp.full((d,), profiled_omega, jnp.float32)
+            self.put_variable(ADMIN_PROFILE, "admin_omega", omega_D)
+        y_BxLxD = omega_D.astype(skip_BxLxD.dtype) * skip_BxLxD + branch_BxLxD
+        return (rms_normalize(y_BxLxD, scale_D, self.eps, self.repair_cap, self.repair_threshold),
+                y_BxLxD)
 
 
 BUDGET_MODES = ("none", "scale", "penalty")
@@ -103,8 +148,9 @@ class ResidualNorm(nn.Module):
     multiplies F per token by the largest beta in [0, 1] that meets it (in the graph,
     differentiated through), ``penalty`` sows the hinge
     mean(max(0, (||y||^2 / d + eps) / rms(scale)^2 - 1 / budget_c^2)) into ``BUDGET_COLLECTION``
-    for the objective. Returns the norm's output and y. ``repair_cap`` and ``repair_threshold``:
-    as ``RMSNorm``'s, on the normalisation's input only (not the hinge's, nor the y returned).
+    for the objective. Returns the norm's output, y, and ``scale``'s branch scale beta [B, L, 1]
+    (None under any other budget). ``repair_cap`` and ``repair_threshold``: as ``RMSNorm``'s, on
+    the normalisation's input only (not the hinge's, nor the y returned).
     """
 
     eps: float
@@ -115,15 +161,16 @@ class ResidualNorm(nn.Module):
 
     @nn.compact
     def __call__(self, skip_BxLxD: jax.Array, branch_BxLxD: jax.Array
-                 ) -> tuple[jax.Array, jax.Array]:
+                 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         d = skip_BxLxD.shape[-1]
         scale_D = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
                              (d,), jnp.float32)
         gain_sq = jnp.mean(scale_D * scale_D)
+        beta_BxLx1 = None
         if self.budget == "scale":
-            beta = budget_branch_scale(skip_BxLxD, branch_BxLxD,
-                                       d * (gain_sq / self.budget_c**2 - self.eps))
-            branch_BxLxD = branch_BxLxD * beta.astype(branch_BxLxD.dtype)
+            beta_BxLx1 = budget_branch_scale(skip_BxLxD, branch_BxLxD,
+                                             d * (gain_sq / self.budget_c**2 - self.eps))
+            branch_BxLxD = branch_BxLxD * beta_BxLx1.astype(branch_BxLxD.dtype)
         y_BxLxD = skip_BxLxD + branch_BxLxD
         y32 = y_BxLxD.astype(jnp.float32)
         mean_sq = jnp.mean(y32 * y32, axis=-1, keepdims=True)
@@ -134,7 +181,7 @@ class ResidualNorm(nn.Module):
             y32 = repaired(y32, scale_D, self.eps, self.repair_cap, self.repair_threshold)
             mean_sq = jnp.mean(y32 * y32, axis=-1, keepdims=True)
         out = (y32 * jax.lax.rsqrt(mean_sq + self.eps) * scale_D).astype(y_BxLxD.dtype)
-        return out, y_BxLxD
+        return out, y_BxLxD, beta_BxLx1
 
 
 def rotary_embedding(x_BxLxHxK: jax.Array, base: float) -> jax.Array:

@@ -20,6 +20,8 @@ b2t        h = N(X + A(X)); X <- N(X + h + FFN(h))       B2T (Takase et al. 2023
 adaptive   lambda N(X + F(X')) + (1 - lambda)(X + F(X')),  the paper's improvement 1 (adaptive norm
            X' = lambda X + (1 - lambda) N_in(X); lambda    placement)
            per sublayer is training state; final norm
+admin      X <- N(omega * X + F(X)), omega [D] learnable,  Admin (Liu et al. 2020)
+           set at init by a profiling pass
 =========  ============================================  =========================================
 """
 
@@ -43,13 +45,18 @@ class Norms(Protocol):
 
     ``norms(suffix)`` is an RMSNorm. ``norms.residual(suffix)(skip, branch)`` is the norm of the
     residual sum: (N(y), y) with y = skip + F, where ``model.residual_budget`` may scale F
-    (``postnorm.model.layers.ResidualNorm``).
+    (``postnorm.model.layers.ResidualNorm``). ``norms.admin(suffix)(skip, branch)`` is Admin's:
+    (N(y), y) with y = omega * skip + F, omega the norm's learnable ``admin_omega``
+    (``postnorm.model.layers.AdminNorm``).
     """
 
     def __call__(self, suffix: str) -> Fn: ...
 
     def residual(self, suffix: str) -> Callable[[jax.Array, jax.Array],
                                                 tuple[jax.Array, jax.Array]]: ...
+
+    def admin(self, suffix: str) -> Callable[[jax.Array, jax.Array],
+                                             tuple[jax.Array, jax.Array]]: ...
 
 
 class SublayerIn(NamedTuple):
@@ -128,6 +135,12 @@ def b2t_ffn_sublayer(x: jax.Array, branch_fn: Fn, norms: Norms, ctx: SublayerIn)
     return SublayerOut(out, branch, y)
 
 
+def admin_sublayer(x: jax.Array, branch_fn: Fn, norms: Norms, ctx: SublayerIn) -> SublayerOut:
+    branch = branch_fn(x)
+    out, y = norms.admin("")(x, branch)
+    return SublayerOut(out, branch, y)
+
+
 def _no_gains(spec: ModelSpec) -> dict[str, float]:
     return {}
 
@@ -177,24 +190,57 @@ def _mixln_gram(spec: ModelSpec) -> list[LayerMaps]:
             for lam in _mixln_profile(spec)]
 
 
+def profile_values(text: str, n_layers: int) -> np.ndarray:
+    """``model.adaptive_profile`` (``profile_text``) as lambda [n_layers, 2]; ValueError naming
+    the field when it is not 2 n_layers numbers in [0, 1]."""
+    try:
+        values = np.array([float(v) for v in text.split()], np.float64)
+    except ValueError as err:
+        raise ValueError(f"model.adaptive_profile={text!r} is not a list of numbers separated "
+                         f"by spaces ({err})") from err
+    if values.size != 2 * n_layers:
+        raise ValueError(f"model.adaptive_profile holds {values.size} values, not 2 x "
+                         f"model.n_layers = {2 * n_layers}: one lambda per sublayer, layer by "
+                         "layer, attention then FFN")
+    if not np.all((values >= 0) & (values <= 1)):
+        raise ValueError(f"model.adaptive_profile holds values outside [0, 1]: "
+                         f"{values[~((values >= 0) & (values <= 1))].tolist()}")
+    return values.astype(np.float32).reshape(n_layers, 2)
+
+
+def profile_text(profile_Lx2) -> str:
+    """lambda [n_layers, 2] as ``model.adaptive_profile`` takes it: the shortest text of each
+    float32 value that reads back as the same float32, layer by layer, attention then FFN."""
+    return " ".join(np.format_float_positional(np.float32(v), unique=True, trim="-")
+                    for v in np.asarray(profile_Lx2, np.float32).ravel())
+
+
 def _adaptive_profile(spec: ModelSpec) -> np.ndarray:
-    """lambda at init: ``spec.adaptive_initial_mix`` at every sublayer (the training state
-    carries it from there: ``postnorm.train.placement_control``)."""
+    """lambda at init: ``spec.adaptive_profile`` where given, else ``spec.adaptive_initial_mix``
+    at every sublayer (the training state carries it from there:
+    ``postnorm.train.placement_control``)."""
+    if spec.adaptive_profile:
+        return profile_values(spec.adaptive_profile, spec.n_layers)
     return np.full((spec.n_layers, 2), spec.adaptive_initial_mix, np.float32)
 
 
 def _adaptive_gram(spec: ModelSpec) -> list[LayerMaps]:
-    """The Gram maps at init, where lambda is 1 (Post) or 0 (Pre); the recursion does not model
-    a mixture in between."""
-    if spec.adaptive_initial_mix not in (0.0, 1.0):
-        raise ValueError(f"the mean-field recursion models lambda = 0 or 1, not "
-                         f"model.adaptive_initial_mix={spec.adaptive_initial_mix}")
-    maps = POST_GRAM if spec.adaptive_initial_mix == 1.0 else PRE_GRAM
-    return [(maps, maps)] * spec.n_layers
+    """The Gram maps at init, per sublayer, where lambda is 1 (Post) or 0 (Pre); the recursion
+    does not model a mixture in between."""
+    profile_Lx2 = _adaptive_profile(spec)
+    if not np.all((profile_Lx2 == 0) | (profile_Lx2 == 1)):
+        raise ValueError("the mean-field recursion models lambda = 0 or 1 at every sublayer, "
+                         "not model.adaptive_initial_mix="
+                         f"{spec.adaptive_initial_mix}, model.adaptive_profile="
+                         f"{spec.adaptive_profile!r}")
+    return [tuple(POST_GRAM if lam == 1 else PRE_GRAM for lam in pair) for pair in profile_Lx2]
 
 
 def _b2t_gram(spec: ModelSpec) -> list[LayerMaps]:
     return [(POST_GRAM, dataclasses.replace(POST_GRAM, layer_skip=True))] * spec.n_layers
+
+
+ADMIN_GRAM = dataclasses.replace(POST_GRAM, profiled_skip=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +263,8 @@ class Arrangement:
       skip, X + h, is two normalised rows) or Mix-LN (its Pre layers have no such norm).
     stateful_mix: lambda is training state (checkpointed, moved by a controller), not a
       constant of the spec: the steps pass it to the model.
+    profiled: parameters set at init by a profiling pass on a batch (Admin's omega:
+      ``postnorm.model.admin``), which a fresh run makes on its first training batch.
     """
 
     sublayers: tuple[Sublayer, Sublayer]
@@ -228,6 +276,7 @@ class Arrangement:
     branch_output_norm: bool = False
     budgetable: bool = False
     stateful_mix: bool = False
+    profiled: bool = False
 
 
 PLACEMENTS: dict[str, Arrangement] = {
@@ -246,6 +295,8 @@ PLACEMENTS: dict[str, Arrangement] = {
                        gram_maps=_b2t_gram, init_gains=_b2t_gains),
     "adaptive": Arrangement((mixed_sublayer,) * 2, final_norm=True, gram_maps=_adaptive_gram,
                             post_mix=_adaptive_profile, stateful_mix=True),
+    "admin": Arrangement((admin_sublayer,) * 2, final_norm=False,
+                         gram_maps=_uniform_gram(ADMIN_GRAM), profiled=True),
 }
 
 

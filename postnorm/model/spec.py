@@ -39,6 +39,7 @@ class ModelSpec:
     qk_norm: bool = False
     mixln_post_fraction: float = 0.25
     adaptive_initial_mix: float = 1.0
+    adaptive_profile: str = ""  # lambda per sublayer at init (placements.profile_values)
     b2t_rescaled_init: bool = False
     residual_budget: str = "none"
     residual_budget_c: float = 0.9

@@ -27,6 +27,7 @@ from postnorm.model.layers import ATTENTION_KERNELS
 from postnorm.train.loop import train_and_evaluate
 from postnorm.train.losses import TERM_NAMES
 from postnorm.train.monitor_actions import recorded_actions
+from postnorm.train.placement_control import final_profile
 from postnorm.workdir.config_record import check_run_config
 from postnorm.workdir.layout import Workdir, WorkdirError, latest_checkpoint_step
 from postnorm.workdir.metrics import read_metrics
@@ -92,9 +93,10 @@ def is_finished(workdir: str, config: ml_collections.ConfigDict) -> bool:
 
 def run_metrics_summary(workdir: str, rule: CollapseRule = DEFAULT_RULE, tail: int = 3) -> dict:
     """Loss against L_freq (``run_summary.summarize``, over the last ``tail`` train steps), the
-    collapse detection, the objective's parts and the monitor's actions in effect of a run
+    collapse detection, the objective's parts, the monitor's actions in effect of a run
     (each as ``monitor_actions.json`` has it, with the count of its layers at tsim >= 0.99 in
-    place of their list)."""
+    place of their list) and, with a lambda profile (``model.norm=adaptive``), the one it ended
+    with: ``final_post_mix``, [n_layers][attention, FFN]."""
     records = read_metrics(workdir)  # holds a train step
     out: dict = summarize(workdir, early_layers=rule.early_layers, tail=tail)
     if any(k.startswith("diag/tsim_attn/") for r in records for k in r):
@@ -106,6 +108,9 @@ def run_metrics_summary(workdir: str, rule: CollapseRule = DEFAULT_RULE, tail: i
     out["monitor_actions"] = [{k: v for k, v in entry.items() if k != "layers"}
                               | {"layers_alike": len(entry["layers"])}
                               for entry in recorded_actions(workdir)]
+    profile_Lx2 = final_profile(records)
+    if profile_Lx2 is not None:
+        out["final_post_mix"] = profile_Lx2.tolist()
     return out
 
 

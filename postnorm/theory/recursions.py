@@ -45,6 +45,11 @@ class GramMaps:
       energy and the branch's amount is divided by it.
     layer_skip: the layer's input is added to the sum as well (B2T's FFN sublayer:
       y = X_layer + h + F(h) with h the attention sublayer's output).
+    profiled_skip: the skip gain is Admin's profiled omega (``postnorm.model.admin``), which the
+      recursion tracks as the profiling pass sets it, with each variance over all entries taken
+      as the mean square (the entries have mean 0 over the weights): omega = 1 at the first
+      sublayer, then omega^2 <- omega^2 tr(G) / n + tr(B) / n after each, G the sublayer's
+      input Gram and B its branch's. Replaces ``skip_gain``.
     """
 
     reads_normalized: bool
@@ -52,6 +57,7 @@ class GramMaps:
     output_normalized: bool = False
     skip_gain: float = 1.0
     layer_skip: bool = False
+    profiled_skip: bool = False
 
     def branch_input(self, g_NxN: Gram) -> Gram:
         """The Gram the sublayer's branch reads."""
@@ -61,10 +67,11 @@ class GramMaps:
         """The branch's Gram after its output norm, if any."""
         return correlation(b_NxN) if self.output_normalized else b_NxN
 
-    def combine(self, g_NxN: Gram, b_NxN: Gram) -> Gram:
+    def combine(self, g_NxN: Gram, b_NxN: Gram, skip_gain: float | None = None) -> Gram:
         """The Gram after the sublayer, from its input's G and the branch's Gram B (without a
-        layer skip)."""
-        y = self.skip_gain**2 * g_NxN + b_NxN
+        layer skip); ``skip_gain`` where given replaces the field (Admin's profiled omega)."""
+        gain = self.skip_gain if skip_gain is None else skip_gain
+        y = gain**2 * g_NxN + b_NxN
         return correlation(y) if self.normalized_stream else y
 
 
@@ -113,7 +120,7 @@ def scalar_recursion(t0: float, n: int, n_layers: int, amt: Amounts,
 def scalar_closure_covers(maps: GramMaps) -> bool:
     """Whether ``scalar_recursion`` models a sublayer: a plain Post- or Pre-Norm one."""
     return (maps.skip_gain == 1.0 and not maps.output_normalized and not maps.layer_skip
-            and maps.reads_normalized != maps.normalized_stream)
+            and not maps.profiled_skip and maps.reads_normalized != maps.normalized_stream)
 
 
 def attn_branch_gram(g_NxN: np.ndarray, s: float, maps: GramMaps) -> np.ndarray:
@@ -156,6 +163,18 @@ def layer_skip_ffn_step(g_in_NxN: np.ndarray, branch_attn_NxN: np.ndarray, g_h_N
     return correlation(y) if maps.normalized_stream else y
 
 
+def summed_step(g_NxN: Gram, b_NxN: Gram, maps: GramMaps, omega_sq: float
+                ) -> tuple[Gram, float]:
+    """The Gram after a sublayer without a layer skip, from its input's G and its branch's B,
+    and Admin's running omega^2 after it (``GramMaps.profiled_skip``; else ``omega_sq``
+    unchanged)."""
+    if not maps.profiled_skip:
+        return maps.combine(g_NxN, b_NxN), omega_sq
+    n = len(g_NxN)
+    return (maps.combine(g_NxN, b_NxN, float(np.sqrt(omega_sq))),
+            omega_sq * float(np.trace(g_NxN)) / n + float(np.trace(b_NxN)) / n)
+
+
 @dataclasses.dataclass(frozen=True)
 class MeanFieldTrace:
     """Per-layer output of ``mean_field_recursion``.
@@ -187,6 +206,7 @@ def mean_field_recursion(g0_NxN: np.ndarray, n_layers: int, amt: Amounts,
     """
     kernel = gate_kernel_table(amt.a)
     g = np.asarray(g0_NxN, np.float64)
+    omega_sq = 1.0  # Admin's running omega^2 (GramMaps.profiled_skip)
     rows = []
     for attn_maps, ffn_maps in _per_layer(arrangement, n_layers):
         g_layer_in = g
@@ -194,16 +214,18 @@ def mean_field_recursion(g0_NxN: np.ndarray, n_layers: int, amt: Amounts,
         branch = attn_branch_gram(g, amt.s, attn_maps)
         energy = np.trace(branch) / np.trace(g)
         delta = tsim_of_gram(g + branch) - t_in
-        g = attn_maps.combine(g, branch)
+        g, omega_sq = summed_step(g, branch, attn_maps, omega_sq)
         t_attn = tsim_of_gram(g)
         if ffn_maps.layer_skip:
-            if not attn_maps.normalized_stream or ffn_maps.skip_gain != 1.0:
+            if (not attn_maps.normalized_stream or ffn_maps.skip_gain != 1.0
+                    or ffn_maps.profiled_skip):
                 raise ValueError("a layer skip is modelled behind a normalised attention "
                                  "sublayer and without a skip gain")
             b_ffn = ffn_maps.branch_output(ffn_branch_gram(g, amt.xi, kernel))
             g = layer_skip_ffn_step(g_layer_in, branch, g, b_ffn, ffn_maps)
         else:
-            g = mean_field_ffn_step(g, amt.xi, kernel, ffn_maps)
+            g, omega_sq = summed_step(
+                g, ffn_maps.branch_output(ffn_branch_gram(g, amt.xi, kernel)), ffn_maps, omega_sq)
         rows.append((t_attn, tsim_of_gram(g), t_in, energy, delta))
         if stop_above is not None and max(rows[-1][:2]) > stop_above:
             break

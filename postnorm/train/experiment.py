@@ -157,6 +157,19 @@ def train_iterator(exp: Experiment):
         process_index=jax.process_index(), process_count=jax.process_count())
 
 
+def initial_state(exp: Experiment, data_iter):
+    """The state of step 0: ``steps.init``, then the arrangement's profiling pass where it has
+    one (Admin's), on the run's first training batch: the one ``data_iter``, at position 0,
+    yields next, and still yields after this."""
+    state = exp.steps.init(exp.config.seed)
+    if exp.steps.profile is None:
+        return state
+    position = data_iter.get_state()
+    first = next(data_iter)
+    data_iter.set_state(position)
+    return exp.steps.profile(state, global_batch(first, batch_sharding(exp.mesh)))
+
+
 def batch_losses(exp: Experiment, state, local_batches: list[dict[str, np.ndarray]]) -> list:
     """Mean cross-entropy of ``state`` on each batch (this process's shares), all dispatched
     before one fetch."""

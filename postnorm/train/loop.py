@@ -23,6 +23,7 @@ from postnorm.train.experiment import (
     evaluate,
     global_batch,
     global_frequency_floor,
+    initial_state,
     preflight,
     restore_run,
     train_iterator,
@@ -47,12 +48,12 @@ from postnorm.workdir.metrics import read_jsonl
 
 def _restore_or_init(exp: Experiment, ckpt: Checkpointer, before: int | None = None):
     """(state, step, data iterator) of the latest usable checkpoint (of a step < ``before``),
-    or of step 0."""
+    or of step 0 (``initial_state``: with Admin's profiling pass, never redone on a resume)."""
     data_iter = train_iterator(exp)
     restored = ckpt.restore_latest(exp.steps.abstract_state, data_iter, before=before)
     if restored is None:
         logging.info("no checkpoint in %s: starting from step 0", ckpt.directory)
-        return exp.steps.init(exp.config.seed), 0, data_iter
+        return initial_state(exp, data_iter), 0, data_iter
     state, step = restored
     logging.info("resumed from the checkpoint at step %d", step)
     return state, step, data_iter

@@ -1,8 +1,9 @@
 """AdamW (or SGD with momentum, a control for methods that act on gradients) with linear warmup
 then cosine or constant learning rate, optional clipping.
 
-Weight decay applies to the weight matrices only; norm gains, token and position embeddings
-are excluded unless ``opt.decay_norms_and_embeddings`` is set.
+Weight decay applies to the weight matrices only; norm gains (Admin's skip weight omega with
+them), token and position embeddings are excluded unless ``opt.decay_norms_and_embeddings`` is
+set.
 """
 
 from typing import NamedTuple
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-NO_DECAY_NAMES = ("scale", "embedding", "pos_embedding")
+NO_DECAY_NAMES = ("scale", "admin_omega", "embedding", "pos_embedding")
 OPTIMIZERS = ("adamw", "sgd")
 # what the early-warning monitor may change on a warn (postnorm.train.monitor_actions)
 MONITOR_ACTIONS = ("none", "lr_scale", "layer_lr", "clip")

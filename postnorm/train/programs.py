@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from postnorm.config.schema import ConfigError
 from postnorm.model import PLACEMENTS, Decoder, ModelSpec, param_counts
+from postnorm.model.admin import profiled_params
 from postnorm.model.attention_choice import AUTO, choose_attention, unrunnable
 from postnorm.model.layers import ATTENTION_KERNELS
 from postnorm.model.repair import grad_repair_from_config
@@ -31,11 +32,17 @@ from postnorm.train.steps import Batch, diag_step, eval_step, train_step, with_u
 
 @dataclasses.dataclass(frozen=True)
 class CompiledSteps:
-    """The state's shardings, a sharded initializer and the jitted steps."""
+    """The state's shardings, a sharded initializer and the jitted steps.
+
+    ``profile``: the arrangement's profiling pass on a batch (Admin's omega,
+    ``postnorm.model.admin``), which a fresh state takes before its first step
+    (``train.experiment.initial_state``); None for an arrangement without one.
+    """
 
     state_shardings: GuardedState
     abstract_state: GuardedState
     init: Callable[[int], GuardedState]
+    profile: Callable[[GuardedState, Batch], GuardedState] | None
     train: Callable[[GuardedState, Batch], tuple[GuardedState, dict[str, jax.Array]]]
     diag: Callable[[GuardedState, Batch], tuple[GuardedState, dict[str, jax.Array], dict]]
     evaluate: Callable[[GuardedState, Batch], jax.Array]
@@ -86,10 +93,17 @@ def compile_steps(spec: ModelSpec, tx: optax.GradientTransformation, schedule: o
 
     data_sharding = batch_sharding(mesh)
     batch_shardings = {"inputs": data_sharding, "targets": data_sharding}
+
+    def profile_state(state: GuardedState, batch: Batch) -> GuardedState:
+        return state.replace(params=profiled_params(spec, state.params, batch["inputs"]))
+
     return CompiledSteps(
         state_shardings=shardings,
         abstract_state=abstract_state,
         init=jit(init_state, static_argnums=0, out_shardings=shardings),
+        profile=(jit(profile_state, in_shardings=(shardings, batch_shardings),
+                     out_shardings=shardings, donate_argnums=0)
+                 if arrangement.profiled else None),
         train=jit(guard(functools.partial(train_step, schedule=schedule, loss=loss),
                         halt=halt_on_nonfinite),
                   in_shardings=(shardings, batch_shardings),

@@ -55,7 +55,8 @@ def diag_step(state: TrainState, batch: Batch, schedule: optax.Schedule, loss: L
               ) -> tuple[TrainState, dict[str, jax.Array], dict[str, jax.Array]]:
     """One optimizer step, identical to ``train_step``, plus the diagnostics of this batch
     (the update norms are added after the non-finite guard: ``with_update_norms``). With
-    ``placement``, lambda then moves by this step's statistics, and is reported per layer.
+    ``placement``, lambda then moves by this step's statistics (forward and taps), and is
+    reported per layer.
 
     With ``repair`` (the model repairs its gradient: ``postnorm.model.repair``) a second
     backward pass without it gives the loss's own gradient: the taps' ``dldx_*`` are of that
@@ -86,7 +87,7 @@ def diag_step(state: TrainState, batch: Batch, schedule: optax.Schedule, loss: L
         diagnostics["post_mix_attn"] = state.post_mix[:, 0]  # the lambda this step ran with
         diagnostics["post_mix_ffn"] = state.post_mix[:, 1]
         if placement is not None:
-            new_state = new_state.replace(post_mix=placement(state.post_mix, forward))
+            new_state = new_state.replace(post_mix=placement(state.post_mix, diagnostics))
     return new_state, _step_metrics(objective, parts, grads, state, schedule), diagnostics
 
 
@@ -100,13 +101,18 @@ def eval_step(state: TrainState, batch: Batch) -> jax.Array:
 def with_update_norms(step_fn: DiagStep) -> DiagStep:
     """``step_fn(state, batch) -> (state, metrics, diagnostics)``, a diagnostic step wrapped
     by the non-finite guard, with the per-layer norms of the update it applied added: zero on
-    a step the guard skipped, whose computed update was thrown away."""
+    a step the guard skipped, whose computed update was thrown away. Where the state carries
+    lambda, ``post_mix_next_*`` is the lambda kept for the steps after this one."""
 
     @functools.wraps(step_fn)  # the program keeps the wrapped step's name (logs, caches)
     def step(state: TrainState, batch: Batch
              ) -> tuple[TrainState, dict[str, jax.Array], dict[str, jax.Array]]:
         new_state, metrics, diagnostics = step_fn(state, batch)
-        return new_state, metrics, {**diagnostics, **update_norms(state, new_state)}
+        diagnostics = {**diagnostics, **update_norms(state, new_state)}
+        if getattr(new_state, "post_mix", None) is not None:
+            diagnostics["post_mix_next_attn"] = new_state.post_mix[:, 0]
+            diagnostics["post_mix_next_ffn"] = new_state.post_mix[:, 1]
+        return new_state, metrics, diagnostics
 
     return step
 

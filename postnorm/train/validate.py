@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import jax
 import ml_collections
+import numpy as np
 from absl import logging
 
 from postnorm.config.schema import ConfigError, check_fields
@@ -16,11 +17,13 @@ from postnorm.kernels.build import register_attention_kernels
 from postnorm.model import DTYPES, PLACEMENTS, POSITION_SCHEMES, REMAT_POLICIES
 from postnorm.model.attention_choice import ALTERNATIVES, AUTO, backend_refusal, config_refusal
 from postnorm.model.layers import ATTENTION_KERNELS, BUDGET_MODES
+from postnorm.model.placements import profile_values
 from postnorm.runtime.allocator import ALLOCATORS
 from postnorm.runtime.mesh import mesh_shape
 from postnorm.runtime.xla_options import XlaOptionsError, parse_xla_options
 from postnorm.theory import INIT_SCHEMES
 from postnorm.train.optim import MONITOR_ACTIONS, OPTIMIZERS
+from postnorm.train.placement_control import SIGNALS
 from postnorm.train.state import NONFINITE_POLICIES
 
 SCHEDULES = ("cosine", "constant")
@@ -81,6 +84,7 @@ def check_model(config: ml_collections.ConfigDict) -> None:
     _require(config, "model.b2t_rescaled_init", lambda v: isinstance(v, bool), "true or false")
     _require(config, "model.adaptive_initial_mix", lambda v: _is_num(v) and 0 <= v <= 1,
              "in [0, 1]")
+    _check_adaptive_profile(config)
     if config.model.b2t_rescaled_init and config.model.norm != "b2t":
         raise ConfigError(f"model.b2t_rescaled_init=True is an option of model.norm='b2t', not "
                           f"of {config.model.norm!r}: set it False or model.norm='b2t'")
@@ -104,6 +108,11 @@ def check_model(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"model.init_tsim_target={target} solves with the mean-field "
                           "recursion, which models lambda = 0 or 1 only: set "
                           "model.adaptive_initial_mix to 0 or 1, or the target to 0")
+    if target and config.model.adaptive_profile and not np.isin(
+            profile_values(config.model.adaptive_profile, config.model.n_layers), (0, 1)).all():
+        raise ConfigError(f"model.init_tsim_target={target} solves with the mean-field "
+                          "recursion, which models lambda = 0 or 1 only: give "
+                          "model.adaptive_profile 0s and 1s alone, or set the target to 0")
     if target and PLACEMENTS[config.model.norm].branch_output_norm:
         raise ConfigError(f"model.init_tsim_target={target} sets a gain on W_O, which "
                           f"model.norm={config.model.norm!r} undoes with the norm on each "
@@ -121,6 +130,28 @@ def check_model(config: ml_collections.ConfigDict) -> None:
     kernel = config.model.attention
     if why := config_refusal(kernel, dtype=config.model.dtype, d_model=d, n_heads=heads):
         raise ConfigError(f"{why}; change that or set {ALTERNATIVES[kernel]}")
+
+
+def _check_adaptive_profile(config: ml_collections.ConfigDict) -> None:
+    """``model.adaptive_profile``: '' or 2 n_layers values in [0, 1], of ``model.norm=adaptive``
+    alone, which then replace ``model.adaptive_initial_mix`` (left at its default)."""
+    _require(config, "model.adaptive_profile", lambda v: isinstance(v, str),
+             "a text of numbers separated by spaces, or ''")
+    text = config.model.adaptive_profile
+    if not text:
+        return
+    if config.model.norm != "adaptive":
+        raise ConfigError(f"model.adaptive_profile is an option of model.norm='adaptive', not "
+                          f"of {config.model.norm!r}: set it to '' or model.norm='adaptive'")
+    if config.model.adaptive_initial_mix != 1:
+        raise ConfigError("model.adaptive_profile gives lambda at init in place of "
+                          "model.adaptive_initial_mix="
+                          f"{config.model.adaptive_initial_mix}: leave that at 1 (its default)")
+    try:
+        profile_values(text, config.model.n_layers)
+    except ValueError as err:
+        raise ConfigError(f"{err}; give a run's final_post_mix as "
+                          "postnorm.model.placements.profile_text writes it") from err
 
 
 def check_opt(config: ml_collections.ConfigDict) -> None:
@@ -155,7 +186,10 @@ def check_train(config: ml_collections.ConfigDict) -> None:
              "a number in (0, 1)")
     _require(config, "train.placement_controller", lambda v: isinstance(v, bool),
              "true or false")
+    _one_of(config, "train.placement_signal", SIGNALS)
     _require(config, "train.placement_c_min", lambda v: _is_num(v) and 0 < v <= 1, "in (0, 1]")
+    _require(config, "train.placement_gain_min", lambda v: _is_num(v) and 0 < v <= 1,
+             "in (0, 1] (a Pre-Norm sublayer's backward gain is about 1)")
     _require(config, "train.placement_tsim_max", lambda v: _is_num(v) and 0 < v <= 1,
              "in (0, 1]")
     for path in ("train.placement_rate_down", "train.placement_rate_up"):
