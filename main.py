@@ -10,15 +10,18 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from postnorm.analysis.figures import plots_after_training, render_run_plots
+from postnorm.analysis.closing import finish_run
+from postnorm.analysis.figures import render_run_plots
+from postnorm.analysis.forecast import forecast_line
 from postnorm.analysis.report import write_report
 from postnorm.config import check_fields, config_data, parse_flags
 from postnorm.data.tokenizers import ByteTokenizer, read_user_sentencepiece
 from postnorm.errors import exit_on_error
 from postnorm.model import ModelSpec, param_counts
 from postnorm.runtime.allocator import use_allocator
+from postnorm.runtime.console import set_log_level
 from postnorm.train.loop import evaluate_checkpoint, train_and_evaluate
-from postnorm.train.validate import check_model
+from postnorm.train.validate import check_model, check_runtime
 from postnorm.workdir.layout import WorkdirError
 
 FLAGS = flags.FLAGS
@@ -93,6 +96,8 @@ def main(argv: list[str]) -> None:
     if FLAGS.mode == "params":
         print_param_count(config)
         return
+    check_runtime(config)
+    set_log_level(config.runtime.log_level)  # before the first line other libraries log
     if FLAGS.workdir is None or not FLAGS.workdir.strip():
         raise app.UsageError(f"--workdir is required for --mode={FLAGS.mode} (a directory path)")
     workdir = os.path.expanduser(FLAGS.workdir)
@@ -105,8 +110,11 @@ def main(argv: list[str]) -> None:
                  jax.__version__, jax.process_index(), jax.process_count(),
                  jax.local_device_count(), jax.device_count(), jax.devices(), allocator)
     if FLAGS.mode == "train":
+        if jax.process_index() == 0:
+            logging.info("%s", forecast_line(config))  # never raises: says why if it has none
         train_and_evaluate(config, workdir)
-        plots_after_training(os.path.abspath(workdir))
+        for line in finish_run(os.path.abspath(workdir)):  # plots, report.html, the summary
+            print(line, flush=True)
     else:
         evaluate_checkpoint(config, workdir)
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from configs.default import get_config
-from postnorm.analysis import report
+from postnorm.analysis import closing, report
 from postnorm.analysis.figures import render_run_plots
 from postnorm.train import forensics
 from postnorm.workdir.config_record import WorkdirConfigError
@@ -187,3 +187,37 @@ def test_early_layer_labels_and_a_config_given_on_the_command_line(tmp_path):
     text = report.build_report(str(tmp_path), fallback_config=get_config().to_dict())
     assert f"{tmp_path}/config.json does not exist: the config shown is the one --config gave" \
         in text
+
+
+def test_the_closing_summary_of_a_collapsed_run(tmp_path):
+    """write_run: from step 60 the last 3 logged losses are all 5.1, within 5% of L_freq = 5
+    (no per-batch floors: the floor is L_freq) with layers 3-5 at tsim 0.999 (layer 5 from step
+    20: the window [20, 60]); layers 0-3's ||dL/dX|| is 10^(-0.4 i) at the i-th diagnostic
+    step, so 1 at step 1 and 1e-4 at step 100."""
+    write_run(tmp_path)
+    plots = render_run_plots(str(tmp_path))
+    lines = closing.closing_summary(str(tmp_path), plots, str(tmp_path / "report.html"))
+    assert lines == [
+        f"== done: step 100 in {tmp_path}",
+        "collapse: yes, from step 60 (window [20, 60]; rule: >= 50% of the layers at tsim >= "
+        "0.99 and the loss within 5% of its batches' floor)",
+        "layers alike at step 100: 3 of 6 (tsim >= 0.99)",
+        "loss: 5.1000 = 1.0200 x L_freq (5.0000) = 1.0200 x its batches' floor (train, last 3 "
+        "logged steps); eval 5.2000 = 1.0400 x L_freq",
+        "early-layer gradient: ||dL/dX|| of layers 0-3 fell 1e+04x to 1e+04x from step 1 to 100 "
+        "(vanishing: over 100x)",
+        f"plots: {tmp_path}/plots/ (heatmap_tsim, heatmap_dldx, heatmap_contraction, "
+        "heatmap_y_rms, loss_vs_lfreq)",
+        f"report: {tmp_path}/report.html"]
+    assert closing.closing_summary(str(tmp_path), None, None)[-2:] == [
+        "plots: not written (the error above says why)",
+        "report: not written (the error above says why)"]
+
+
+def test_every_figure_of_the_report_has_a_caption_in_words(tmp_path):
+    write_run(tmp_path)
+    text = report.build_report(str(tmp_path))
+    captions = dict(re.findall(r'<img alt="([^"]+)"[^>]*><figcaption>([^<]+)</figcaption>', text))
+    assert sorted(captions) == sorted(FIGURES)
+    for name, words in captions.items():
+        assert len(words.split()) >= 6 and not re.search(rf"(?<!\w){name}(?![\w(])", words), name

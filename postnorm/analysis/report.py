@@ -19,7 +19,7 @@ from postnorm.analysis.collapse import (
     train_loss_and_floor,
 )
 from postnorm.analysis.collapse_figures import render_collapse_figures
-from postnorm.analysis.figures import plot_heatmaps, plot_post_mix
+from postnorm.analysis.figures import HEATMAPS, plot_heatmaps, plot_post_mix
 from postnorm.diagnostics.early_warning import monitor_rule_from
 from postnorm.files import from_text, replace_file
 from postnorm.train.monitor_actions import recorded_actions
@@ -36,12 +36,30 @@ text-align:left;font-size:14px}.warn{background:#fff3cd;border:1px solid #e0b000
 pre{background:#f5f5f5;padding:1em;font-size:12px;overflow-x:auto}"""
 
 
+# Each figure's caption, by its file's name
+CAPTIONS = {
+    "loss_vs_lfreq": "Train loss against L_freq, the loss of predicting each token by its "
+                     "corpus frequency (left), and over the frequency floor of its own batch, "
+                     "with the collapse rule's band (right)",
+    "tsim": "Token similarity tsim(X_k) at each layer's attention input over the steps; "
+            "dashed lines: the edges of the transition window",
+    "layers": "Per layer over the steps: sqrt(d)/||y_k|| (top) and the RMSNorm contraction c_k "
+              "(bottom), attention and FFN sublayers; shaded: the transition window",
+    "dldx": "Gradient norm ||dL/dX_k|| at each layer's attention and FFN inputs over the steps "
+            "(log scale); shaded: the transition window",
+    "heatmap_post_mix": "Post-Norm share lambda of each sublayer over the steps (1: Post-Norm, "
+                        "0: Pre-Norm)",
+} | {f"heatmap_{name}": f"Heatmap of {title} per layer and diagnostic step, at the attention "
+                        "and FFN inputs" for name, (_, title, _) in HEATMAPS.items()}
+
+
 def _img(path: str) -> str:
     with open(path, "rb") as f:
         data = base64.b64encode(f.read()).decode()
     name = os.path.splitext(os.path.basename(path))[0]
+    caption = CAPTIONS.get(name, name.replace("_", " "))
     return (f'<figure><img alt="{html.escape(name)}" src="data:image/png;base64,{data}">'
-            f"<figcaption>{html.escape(name)}</figcaption></figure>")
+            f"<figcaption>{html.escape(caption)}</figcaption></figure>")
 
 
 def _table(rows: list[tuple[str, object]]) -> str:

@@ -14,6 +14,7 @@ from postnorm.diagnostics.early_warning import DEFAULT_RULE, monitor_rule_from
 from postnorm.diagnostics.schedule import is_diagnostic_step
 from postnorm.errors import NonFiniteError
 from postnorm.files import write_json_atomic
+from postnorm.runtime.console import set_log_level
 from postnorm.runtime.mesh import batch_sharding
 from postnorm.runtime.multihost import from_process_0, stop_together
 from postnorm.runtime.preemption import Preempted, PreemptionWatch
@@ -66,6 +67,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     non-finite step stops the run (policy ``abort``, or ``rollback`` out of rollbacks).
     """
     workdir = preflight(config, workdir, lambda w: check_run_config(w, config))  # writes nothing
+    set_log_level(config.runtime.log_level)  # as main.py does, for sweeps and experiments
     lock = WorkdirLock(workdir)
     stop_together(lock.acquire if jax.process_index() == 0 else lambda: None, unusable_elsewhere)
     try:

@@ -19,6 +19,7 @@ from postnorm.model.attention_choice import ALTERNATIVES, AUTO, backend_refusal,
 from postnorm.model.layers import ATTENTION_KERNELS, BUDGET_MODES
 from postnorm.model.placements import profile_values
 from postnorm.runtime.allocator import ALLOCATORS
+from postnorm.runtime.console import LOG_LEVELS
 from postnorm.runtime.mesh import mesh_shape
 from postnorm.runtime.xla_options import XlaOptionsError, parse_xla_options
 from postnorm.theory import INIT_SCHEMES
@@ -277,10 +278,12 @@ def check_backend(config: ml_collections.ConfigDict, *, platform: str) -> None:
 
 
 def check_runtime(config: ml_collections.ConfigDict) -> None:
-    """Process settings: the heap allocator (``postnorm.runtime.allocator``), the compilation cache
+    """Process settings: the heap allocator (``postnorm.runtime.allocator``), the console's log
+    level (``postnorm.runtime.console``), the compilation cache
     directory (``postnorm.runtime.compilation_cache``) and the XLA compile options' syntax
     (``postnorm.runtime.xla_options``; whether XLA knows them is checked before compiling)."""
     _one_of(config, "runtime.allocator", ALLOCATORS)
+    _one_of(config, "runtime.log_level", tuple(LOG_LEVELS))
     _require(config, "runtime.compilation_cache_dir", lambda v: isinstance(v, str),
              "a directory path, or '' for no cache")
     _require(config, "runtime.xla_options", lambda v: isinstance(v, str),

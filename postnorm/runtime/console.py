@@ -1,0 +1,48 @@
+"""What reaches the console (``runtime.log_level``): the project's own log lines always, other
+libraries' (orbax, tfds, JAX, clu) only at or above the level chosen, and tfds's progress bars
+(a first run's data preparation) only at ``info``."""
+
+import functools
+import logging
+import os
+import sys
+
+import tensorflow_datasets as tfds
+from absl import logging as absl_logging
+
+LOG_LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_PROJECT_TOPS = ("postnorm", "main.py", "experiments", "configs", "benchmarks")
+
+
+@functools.cache
+def is_project_file(path: str) -> bool:
+    """``path`` is one of the project's own sources (not a library's, even in a venv inside
+    the checkout), or the script the process runs."""
+    path = os.path.abspath(path)
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    if script and path == os.path.abspath(script):
+        return True
+    rel = os.path.relpath(path, _CHECKOUT)
+    return not rel.startswith(os.pardir) and rel.split(os.sep)[0] in _PROJECT_TOPS
+
+
+class ThirdPartyFilter(logging.Filter):
+    """Passes the project's own records, and other sources' at or above ``level``."""
+
+    def __init__(self, level: int):
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= self.level or is_project_file(record.pathname)
+
+
+def set_log_level(level: str) -> None:
+    """Show other libraries' log records from ``level`` (a ``LOG_LEVELS`` key) up on absl's
+    handler, which prints every record of the process; replaces an earlier setting."""
+    tfds.display_progress_bar(level == "info")
+    handler = absl_logging.get_absl_handler()
+    for old in [f for f in handler.filters if isinstance(f, ThirdPartyFilter)]:
+        handler.removeFilter(old)
+    handler.addFilter(ThirdPartyFilter(LOG_LEVELS[level]))
