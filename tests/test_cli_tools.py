@@ -151,8 +151,8 @@ def test_attention_core_check_fails_on_a_wrong_gradient():
 
 
 @pytest.mark.parametrize("module,args,code,message", [
-    ("benchmarks.bench", [f"--config={TINY},model.norm=admin"], 2,
-     "postnorm: error: model.norm='admin' is invalid"),
+    ("benchmarks.bench", [f"--config={TINY},model.norm=rezero"], 2,
+     "postnorm: error: model.norm='rezero' is invalid"),
     ("benchmarks.diag_overhead", [f"--config={TINY},model.remat=bogus"], 2,
      "postnorm: error: model.remat='bogus' is invalid"),
     ("benchmarks.profile_step", [f"--config={TINY},data.vocab_size=0"], 2,

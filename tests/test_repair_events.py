@@ -2,11 +2,12 @@
 the leaderboard archive's records, and its regeneration and its place in docs/RESULTS.md."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from configs.sweeps.leaderboard import method_label
-from experiments.repair_events import NoRunsError, write_tables
 from postnorm.analysis.repair_events import (
     ALIKE_FRACTION,
     FROM_STEP,
@@ -14,7 +15,13 @@ from postnorm.analysis.repair_events import (
     repair_event,
 )
 from tests.committed import assert_json_matches, assert_text_matches
-from tests.reliability_helpers import REPO
+from tests.reliability_helpers import REPO, subprocess_env
+
+
+def run_command(*args: str) -> subprocess.CompletedProcess:
+    """experiments.repair_events in its own process (its absl flags stay out of this one)."""
+    return subprocess.run([sys.executable, "-m", "experiments.repair_events", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env=subprocess_env(None))
 
 ARCHIVE = REPO / "docs" / "leaderboard" / "runs"
 COMMITTED = REPO / "docs" / "leaderboard" / "repair_events"
@@ -70,7 +77,9 @@ def test_the_committed_table_is_the_archive_recounted():
 
 
 def test_the_committed_files_are_regenerated_and_the_results_show_the_table(tmp_path):
-    table = write_tables(str(ARCHIVE), str(tmp_path / "repair_events"))
+    result = run_command(f"--archive={ARCHIVE}", f"--out={tmp_path / 'repair_events'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = (tmp_path / "repair_events.md").read_text()
     assert_text_matches(table, COMMITTED.with_suffix(".md").read_text())
     assert_json_matches(json.loads((tmp_path / "repair_events.json").read_text()),
                         json.loads(COMMITTED.with_suffix(".json").read_text()))
@@ -82,6 +91,7 @@ def test_the_committed_files_are_regenerated_and_the_results_show_the_table(tmp_
 
 
 def test_an_empty_archive_is_refused(tmp_path):
-    with pytest.raises(NoRunsError, match="holds no run record"):
-        write_tables(str(tmp_path / "none"), str(tmp_path / "out"))
-    assert not list(tmp_path.iterdir())
+    (tmp_path / "none").mkdir()
+    result = run_command(f"--archive={tmp_path / 'none'}", f"--out={tmp_path / 'out'}")
+    assert result.returncode == 2 and "holds no run record" in result.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["none"]

@@ -468,9 +468,9 @@ def test_numpy_values_and_exponents_give_plain_ids():
 def test_every_run_is_checked_before_any_starts_and_an_error_names_it():
     base, specs = sweep.plan_file(STABILITY + ":smoke")
     assert len(sweep_runner.planned_configs(base, specs, {})) == 8
-    bad = sweep.plan([{"model.norm": norm} for norm in ("post", "admin")])
+    bad = sweep.plan([{"model.norm": norm} for norm in ("post", "rezero")])
     with pytest.raises(sweep.SweepError,
-                       match=r"sweep run 2/2 \(norm=admin\): model.norm='admin'"):
+                       match=r"sweep run 2/2 \(norm=rezero\): model.norm='rezero'"):
         sweep_runner.planned_configs(base, bad, {})
     typo = sweep.plan([{"model.nrom": "post"}])
     with pytest.raises(sweep.SweepError, match=r"sweep run 1/1 .*model.nrom"):
@@ -520,8 +520,8 @@ def test_renamed_runs_use_the_directories_of_their_configs(tmp_path):
 @pytest.mark.parametrize("sweep_file, message", [
     ("BASE_CONFIG = 'configs/default.py'\n", "does not define get_sweep"),
     ("BASE_CONFIG = 'configs/default.py'\ndef get_sweep(arg=None):\n"
-     "    return [{'model.norm': n} for n in ('post', 'admin')]\n",
-     r"sweep run 2/2 \(norm=admin\)"),
+     "    return [{'model.norm': n} for n in ('post', 'rezero')]\n",
+     r"sweep run 2/2 \(norm=rezero\)"),
 ])
 def test_the_sweep_command_refuses_a_bad_sweep_file_in_one_line(tmp_path, sweep_file, message):
     path = tmp_path / "my_sweep.py"

@@ -121,7 +121,7 @@ def test_sharded_step_matches_single_device():
 
 @pytest.mark.parametrize("field,value,message", [
     ("model.n_heads", 5, "not divisible by model.n_heads"),
-    ("model.norm", "admin", "model.norm='admin' is invalid"),
+    ("model.norm", "rezero", "model.norm='rezero' is invalid"),
     ("model.init", "he", "model.init='he' is invalid"),
     ("mesh.tensor", 3, "mesh.tensor=3 = 3 must divide the 8 devices"),
     ("data.batch_size", 12, "divisible by mesh data x fsdp"),
