@@ -20,6 +20,7 @@ from postnorm.config.schema import ConfigError
 from postnorm.model import PLACEMENTS, Decoder, ModelSpec
 from postnorm.model.placements import profile_text, profile_values
 from postnorm.sweep.record import planned_digests, run_once
+from postnorm.theory import POST_GRAM, PRE_GRAM
 from postnorm.train.losses import Loss
 from postnorm.train.placement_control import PlacementControl, final_profile
 from postnorm.train.state import GuardedState
@@ -149,8 +150,9 @@ def test_the_profile_field_reads_back_a_float32_profile_exactly():
     assert text.split()[:2] == ["0", "1"]
     spec = ModelSpec(**TINY, norm="adaptive", adaptive_profile=profile_text(profile_Lx2[:3]))
     np.testing.assert_array_equal(PLACEMENTS["adaptive"].post_mix(spec), profile_Lx2[:3])
-    with pytest.raises(ValueError, match="lambda = 0 or 1 at every sublayer"):
-        PLACEMENTS["adaptive"].gram_maps(spec)
+    maps = PLACEMENTS["adaptive"].gram_maps(spec)
+    assert maps[0] == (PRE_GRAM, POST_GRAM)
+    assert [m.post_mix for pair in maps[1:] for m in pair] == profile_Lx2[1:3].ravel().tolist()
 
 
 def test_a_0_1_profile_has_the_gram_maps_of_the_same_mixln_stack():

@@ -42,8 +42,8 @@ from postnorm.diagnostics.early_warning import (
 )
 from postnorm.workdir.metrics import layer_series, lfreq_of, train_loss_and_floor
 
-__all__ = ["DEFAULT_RULE", "Collapse", "CollapseRule", "detect_collapse", "lfreq_of",
-           "loss_and_floor_at", "replay_monitor", "train_loss_and_floor"]
+__all__ = ["DEFAULT_RULE", "Collapse", "CollapseRule", "detect_collapse", "half_alike_step",
+           "lfreq_of", "loss_and_floor_at", "replay_monitor", "train_loss_and_floor"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +86,7 @@ def detect_collapse(records: list[dict], rule: CollapseRule = DEFAULT_RULE) -> C
     meets_S = (fraction_S >= rule.layer_fraction) & near_floor(loss_S, floor_S, rule.loss_rtol)
 
     first_hit = _first(steps_S, meets_S)
-    similar = _first(steps_S, fraction_S >= rule.layer_fraction)
+    similar = half_alike_step(steps_S, fraction_S, rule)
     any_layer = _first(steps_S, hit_LxS.any(axis=0))
     collapsed = bool(meets_S[-1])
     collapse_step = onset = pre = ratio_early = ratio_last = None
@@ -109,6 +109,14 @@ def detect_collapse(records: list[dict], rule: CollapseRule = DEFAULT_RULE) -> C
         grad_ratio_early=ratio_early, grad_ratio_last=ratio_last,
         diag_steps=[int(s) for s in steps_S],
         fraction_collapsed=fraction_S.tolist(), meets_criterion=meets_S.tolist())
+
+
+def half_alike_step(steps_S, fraction_S, rule: CollapseRule = DEFAULT_RULE) -> int | None:
+    """The first diagnostic step at which >= ``rule.layer_fraction`` of the layers are alike
+    (tsim >= the threshold; ``fraction_S`` as ``Collapse.fraction_collapsed``), loss ignored:
+    ``similar_layers_step``, and the onset step the collapse forecast predicts
+    (``postnorm.analysis.forecast``); None if there is none."""
+    return _first(np.asarray(steps_S), np.asarray(fraction_S) >= rule.layer_fraction)
 
 
 def _first(steps_S: np.ndarray, mask_S: np.ndarray) -> int | None:

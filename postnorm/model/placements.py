@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from postnorm.model.spec import ModelSpec
-from postnorm.theory import POST_GRAM, PRE_GRAM, GramMaps, LayerMaps
+from postnorm.theory import POST_GRAM, PRE_GRAM, GramMaps, LayerMaps, mixed_gram
 
 Fn = Callable[[jax.Array], jax.Array]
 LAYER_MATRICES = ("w_q", "w_k", "w_v", "w_o", "w_gate", "w_up", "w_down")
@@ -225,15 +225,9 @@ def _adaptive_profile(spec: ModelSpec) -> np.ndarray:
 
 
 def _adaptive_gram(spec: ModelSpec) -> list[LayerMaps]:
-    """The Gram maps at init, per sublayer, where lambda is 1 (Post) or 0 (Pre); the recursion
-    does not model a mixture in between."""
-    profile_Lx2 = _adaptive_profile(spec)
-    if not np.all((profile_Lx2 == 0) | (profile_Lx2 == 1)):
-        raise ValueError("the mean-field recursion models lambda = 0 or 1 at every sublayer, "
-                         "not model.adaptive_initial_mix="
-                         f"{spec.adaptive_initial_mix}, model.adaptive_profile="
-                         f"{spec.adaptive_profile!r}")
-    return [tuple(POST_GRAM if lam == 1 else PRE_GRAM for lam in pair) for pair in profile_Lx2]
+    """The Gram maps at init, per sublayer: Post where lambda is 1, Pre where 0, the mixture
+    in between (``postnorm.theory.mixed_gram``)."""
+    return [tuple(mixed_gram(float(lam)) for lam in pair) for pair in _adaptive_profile(spec)]
 
 
 def _b2t_gram(spec: ModelSpec) -> list[LayerMaps]:

@@ -34,6 +34,7 @@ from postnorm.theory.recursions import (
     ffn_branch_gram,
     mean_field_ffn_step,
     mean_field_recursion,
+    mixed_gram,
     prefix_average,
     scalar_closure_covers,
     scalar_recursion,
@@ -45,6 +46,6 @@ __all__ = [
     "collapse_distance", "collapse_loss_bound", "correlation", "delta_attn", "delta_ffn",
     "ec_rho", "ffn_branch_gram", "frequency_loss", "gate_kernel", "gate_kernel_table",
     "harmonic", "kernel_variance", "mean_field_ffn_step", "mean_field_recursion",
-    "prefix_average", "rmsnorm_contraction", "scalar_closure_covers", "scalar_recursion",
-    "tsim", "tsim_of_gram", "unigram_entropy",
+    "mixed_gram", "prefix_average", "rmsnorm_contraction", "scalar_closure_covers",
+    "scalar_recursion", "tsim", "tsim_of_gram", "unigram_entropy",
 ]

@@ -50,6 +50,13 @@ class GramMaps:
       as the mean square (the entries have mean 0 over the weights): omega = 1 at the first
       sublayer, then omega^2 <- omega^2 tr(G) / n + tr(B) / n after each, G the sublayer's
       input Gram and B its branch's. Replaces ``skip_gain``.
+    post_mix: lambda of a mixed sublayer (``postnorm.model.placements.mixed_sublayer``): the
+      branch reads lambda X + (1 - lambda) N(X) and the sublayer returns lambda N(y) +
+      (1 - lambda) y, each a row scaling D G D with D_ii = lambda + (1 - lambda) / r_i, r_i the
+      row's RMS (exact given the rows' RMS, as the recursion's norms are). Replaces
+      ``reads_normalized`` and ``normalized_stream``; ``mixed_gram`` builds it. The FFN's input
+      rows are then taken to have RMS 1 (``ffn_branch_gram``), which they have within the
+      stream's growth at init.
     """
 
     reads_normalized: bool
@@ -58,9 +65,12 @@ class GramMaps:
     skip_gain: float = 1.0
     layer_skip: bool = False
     profiled_skip: bool = False
+    post_mix: float | None = None
 
     def branch_input(self, g_NxN: Gram) -> Gram:
         """The Gram the sublayer's branch reads."""
+        if self.post_mix is not None:
+            return _row_mix(g_NxN, self.post_mix, normalized_share=1 - self.post_mix)
         return correlation(g_NxN) if self.reads_normalized else g_NxN
 
     def branch_output(self, b_NxN: Gram) -> Gram:
@@ -72,12 +82,43 @@ class GramMaps:
         layer skip); ``skip_gain`` where given replaces the field (Admin's profiled omega)."""
         gain = self.skip_gain if skip_gain is None else skip_gain
         y = gain**2 * g_NxN + b_NxN
+        if self.post_mix is not None:
+            return _row_mix(y, 1 - self.post_mix, normalized_share=self.post_mix)
         return correlation(y) if self.normalized_stream else y
+
+    def skip_path_gain(self, y_NxN: Gram, skip_gain: float | None = None) -> float:
+        """The skip path's gain on the backward signal, from the sublayer's output to its input
+        around the branch: gain x c with c = 1 / RMS(y) (Thm 3.6's contraction of a norm of unit
+        weight, over the rows' mean square) behind a norm on the sum, lambda gain c +
+        (1 - lambda) in a mixed sublayer, the gain itself without a norm; ``y_NxN`` the sum's
+        Gram, ``skip_gain`` as in ``combine``."""
+        gain = self.skip_gain if skip_gain is None else skip_gain
+        c = float(np.sqrt(len(y_NxN) / np.trace(y_NxN)))
+        if self.post_mix is not None:
+            return self.post_mix * gain * c + 1 - self.post_mix
+        return gain * c if self.normalized_stream else gain
+
+
+def _row_mix(g_NxN: Gram, plain_share: float, normalized_share: float) -> Gram:
+    """The Gram of the rows a X_i + b X_i / r_i (a = ``plain_share``, b = ``normalized_share``,
+    r_i the row's RMS): D G D with D_ii = a + b / r_i."""
+    d_N = plain_share + normalized_share / np.sqrt(np.diag(g_NxN))
+    return g_NxN * d_N[:, None] * d_N[None, :]
 
 
 POST_GRAM = GramMaps(reads_normalized=False, normalized_stream=True)
 PRE_GRAM = GramMaps(reads_normalized=True, normalized_stream=False)
 LayerMaps = tuple[GramMaps, GramMaps]  # the attention and the FFN sublayer of one layer
+
+
+def mixed_gram(post_mix: float) -> GramMaps:
+    """A mixed sublayer's maps with Post-Norm share lambda = ``post_mix``: exactly ``POST_GRAM``
+    at 1 and ``PRE_GRAM`` at 0."""
+    if post_mix == 1:
+        return POST_GRAM
+    if post_mix == 0:
+        return PRE_GRAM
+    return GramMaps(reads_normalized=False, normalized_stream=False, post_mix=float(post_mix))
 
 
 def _per_layer(arrangement: "GramMaps | list[LayerMaps]", n_layers: int) -> list[LayerMaps]:
@@ -120,7 +161,8 @@ def scalar_recursion(t0: float, n: int, n_layers: int, amt: Amounts,
 def scalar_closure_covers(maps: GramMaps) -> bool:
     """Whether ``scalar_recursion`` models a sublayer: a plain Post- or Pre-Norm one."""
     return (maps.skip_gain == 1.0 and not maps.output_normalized and not maps.layer_skip
-            and not maps.profiled_skip and maps.reads_normalized != maps.normalized_stream)
+            and not maps.profiled_skip and maps.post_mix is None
+            and maps.reads_normalized != maps.normalized_stream)
 
 
 def attn_branch_gram(g_NxN: np.ndarray, s: float, maps: GramMaps) -> np.ndarray:
@@ -149,8 +191,8 @@ def mean_field_ffn_step(g_NxN: np.ndarray, xi: float, kernel: Callable[[np.ndarr
 
 
 def layer_skip_ffn_step(g_in_NxN: np.ndarray, branch_attn_NxN: np.ndarray, g_h_NxN: np.ndarray,
-                        b_ffn_NxN: np.ndarray, maps: GramMaps) -> np.ndarray:
-    """The Gram of y = X + h + F(h) (B2T's FFN sublayer), through its norm if any.
+                        b_ffn_NxN: np.ndarray, maps: GramMaps) -> tuple[np.ndarray, np.ndarray]:
+    """The Gram of y = X + h + F(h) (B2T's FFN sublayer) through its norm if any, and y's.
 
     X is the layer's input (Gram G = ``g_in``), h = N(X + A) the attention sublayer's output
     (Gram ``g_h``; G + ``branch_attn`` is the Gram of X + A) and F the FFN branch (Gram
@@ -160,19 +202,21 @@ def layer_skip_ffn_step(g_in_NxN: np.ndarray, branch_attn_NxN: np.ndarray, g_h_N
     r_N = np.sqrt(np.diag(g_in_NxN + branch_attn_NxN))
     cross_NxN = g_in_NxN / r_N[None, :]
     y = g_in_NxN + g_h_NxN + cross_NxN + cross_NxN.T + b_ffn_NxN
-    return correlation(y) if maps.normalized_stream else y
+    return (correlation(y) if maps.normalized_stream else y), y
 
 
 def summed_step(g_NxN: Gram, b_NxN: Gram, maps: GramMaps, omega_sq: float
-                ) -> tuple[Gram, float]:
+                ) -> tuple[Gram, float, float]:
     """The Gram after a sublayer without a layer skip, from its input's G and its branch's B,
-    and Admin's running omega^2 after it (``GramMaps.profiled_skip``; else ``omega_sq``
-    unchanged)."""
+    Admin's running omega^2 after it (``GramMaps.profiled_skip``; else ``omega_sq``
+    unchanged) and the sublayer's skip-path gain (``GramMaps.skip_path_gain``)."""
+    gain = float(np.sqrt(omega_sq)) if maps.profiled_skip else maps.skip_gain
+    skip = maps.skip_path_gain(gain**2 * g_NxN + b_NxN, gain)
     if not maps.profiled_skip:
-        return maps.combine(g_NxN, b_NxN), omega_sq
+        return maps.combine(g_NxN, b_NxN), omega_sq, skip
     n = len(g_NxN)
-    return (maps.combine(g_NxN, b_NxN, float(np.sqrt(omega_sq))),
-            omega_sq * float(np.trace(g_NxN)) / n + float(np.trace(b_NxN)) / n)
+    return (maps.combine(g_NxN, b_NxN, gain),
+            omega_sq * float(np.trace(g_NxN)) / n + float(np.trace(b_NxN)) / n, skip)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,12 +229,17 @@ class MeanFieldTrace:
     delta_attn: [n_layers], the expected one-step tsim change of the attention sublayer without
       its norm, 1^T(G + B)1 / (n tr(G + B)) - tsim(G) with B the branch Gram: Thm 3.2's Delta
       for this (not necessarily EC) Gram.
+    skip_gain: [n_layers], the layer's skip-path gain on the backward signal, from its output to
+      its input around both branches: the product of its sublayers' ``GramMaps.skip_path_gain``
+      (Stage II's product of contractions c in Post-Norm, 1 in Pre-Norm); with a layer skip
+      (B2T), c_FFN (1 + c_attn), the paths through h = N(X + A) and past it added.
     """
 
     tsim_after: np.ndarray
     tsim_in: np.ndarray
     energy_attn: np.ndarray
     delta_attn: np.ndarray
+    skip_gain: np.ndarray
 
 
 def mean_field_recursion(g0_NxN: np.ndarray, n_layers: int, amt: Amounts,
@@ -214,21 +263,23 @@ def mean_field_recursion(g0_NxN: np.ndarray, n_layers: int, amt: Amounts,
         branch = attn_branch_gram(g, amt.s, attn_maps)
         energy = np.trace(branch) / np.trace(g)
         delta = tsim_of_gram(g + branch) - t_in
-        g, omega_sq = summed_step(g, branch, attn_maps, omega_sq)
+        g, omega_sq, skip_attn = summed_step(g, branch, attn_maps, omega_sq)
         t_attn = tsim_of_gram(g)
         if ffn_maps.layer_skip:
             if (not attn_maps.normalized_stream or ffn_maps.skip_gain != 1.0
-                    or ffn_maps.profiled_skip):
+                    or ffn_maps.profiled_skip or ffn_maps.post_mix is not None):
                 raise ValueError("a layer skip is modelled behind a normalised attention "
                                  "sublayer and without a skip gain")
             b_ffn = ffn_maps.branch_output(ffn_branch_gram(g, amt.xi, kernel))
-            g = layer_skip_ffn_step(g_layer_in, branch, g, b_ffn, ffn_maps)
+            g, y = layer_skip_ffn_step(g_layer_in, branch, g, b_ffn, ffn_maps)
+            skip = ffn_maps.skip_path_gain(y) * (1 + skip_attn)
         else:
-            g, omega_sq = summed_step(
+            g, omega_sq, skip_ffn = summed_step(
                 g, ffn_maps.branch_output(ffn_branch_gram(g, amt.xi, kernel)), ffn_maps, omega_sq)
-        rows.append((t_attn, tsim_of_gram(g), t_in, energy, delta))
+            skip = skip_attn * skip_ffn
+        rows.append((t_attn, tsim_of_gram(g), t_in, energy, delta, skip))
         if stop_above is not None and max(rows[-1][:2]) > stop_above:
             break
     out = np.array(rows)
     return MeanFieldTrace(tsim_after=out[:, :2], tsim_in=out[:, 2], energy_attn=out[:, 3],
-                          delta_attn=out[:, 4])
+                          delta_attn=out[:, 4], skip_gain=out[:, 5])

@@ -107,12 +107,14 @@ def check_model(config: ml_collections.ConfigDict) -> None:
     if (target and config.model.norm == "adaptive"
             and config.model.adaptive_initial_mix not in (0, 1)):
         raise ConfigError(f"model.init_tsim_target={target} solves with the mean-field "
-                          "recursion, which models lambda = 0 or 1 only: set "
+                          "recursion, exact for lambda = 0 or 1 only (a mixture's FFN input is "
+                          "taken as rows of RMS 1): set "
                           "model.adaptive_initial_mix to 0 or 1, or the target to 0")
     if target and config.model.adaptive_profile and not np.isin(
             profile_values(config.model.adaptive_profile, config.model.n_layers), (0, 1)).all():
         raise ConfigError(f"model.init_tsim_target={target} solves with the mean-field "
-                          "recursion, which models lambda = 0 or 1 only: give "
+                          "recursion, exact for lambda = 0 or 1 only (a mixture's FFN input is "
+                          "taken as rows of RMS 1): give "
                           "model.adaptive_profile 0s and 1s alone, or set the target to 0")
     if target and PLACEMENTS[config.model.norm].branch_output_norm:
         raise ConfigError(f"model.init_tsim_target={target} sets a gain on W_O, which "

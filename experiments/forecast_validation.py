@@ -1,0 +1,268 @@
+"""Fit the collapse forecast on archived runs and validate it: leave one method out, leave one
+depth out, beside two baselines; and the monitor's lead time against the onset step.
+
+    python -m experiments.forecast_validation [--archive docs/leaderboard/runs[,DIR...]]
+        [--out_dir docs/figures/forecast]
+
+Trains nothing. Writes to --out_dir: ``model.json`` (the step-0 models fitted on every run: what
+``experiments.forecast`` and ``main.py`` read), ``validation.json`` (every run's held-out
+probabilities, the scores, the runs the forecast gets wrong and why, the monitor's leads),
+``validation.md`` (the same as tables) and ``calibration.png``. Forecasts compared
+(``postnorm.analysis.forecast``): the step-0 forecast (theory and config), the same with the
+diagnostics of the first 30 steps, depth and learning rate alone (a logistic model on the same
+folds), and the early-warning monitor as archived (its first warn by step 30, and by the end of
+the run: a confirmation).
+"""
+
+import os
+import time
+
+import matplotlib
+import numpy as np
+from absl import app, flags
+
+from configs.sweeps.leaderboard import method_label
+from postnorm.analysis import forecast as fc
+from postnorm.analysis.figures import save_figure
+from postnorm.analysis.tables import cell, markdown_table
+from postnorm.analysis.warning_replay import intervals_between
+from postnorm.diagnostics.early_warning import DEFAULT_RULE
+from postnorm.errors import UserError, exit_on_error
+from postnorm.files import make_output_dir, write_bytes_atomic, write_json_atomic
+from postnorm.sweep.archive import read_archive
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+flags.DEFINE_list("archive", ["docs/leaderboard/runs"], "Sweep archives whose runs are read.")
+flags.DEFINE_string("out_dir", "docs/figures/forecast", "Directory for the outputs.")
+FLAGS = flags.FLAGS
+
+SCHEMES = {"leave one method out": "method", "leave one depth out": "layers"}
+FORECASTS = {"step 0 (theory + config)": fc.STEP0,
+             f"first {fc.EARLY_STEPS} steps' diagnostics": fc.EARLY,
+             "depth + lr alone": fc.BASELINE}
+CALIBRATION_MIN_RUNS = 10
+CALIBRATION_TOL = 0.1
+
+
+class NoArchivedRunsError(UserError):
+    """No archived run with a verdict was found."""
+
+
+def archived_rows(archives: list[str]) -> list[dict]:
+    rows = []
+    for directory in archives:
+        for entry in read_archive(directory):
+            row = fc.archive_row(entry)
+            if row is not None:
+                config = entry["config"]
+                rows.append(row | {"method": method_label(config),
+                                   "layers": config["model"]["n_layers"],
+                                   "lr": config["opt"]["lr"],
+                                   "warmup": config["opt"]["warmup_steps"],
+                                   "seed": config["seed"]})
+    if not rows:
+        raise NoArchivedRunsError(f"no finished, measured run in --archive={','.join(archives)}")
+    return rows
+
+
+def scores(y_N, p_N) -> dict:
+    table = fc.calibration(y_N, p_N)
+    checked = [b for b in table if b["runs"] >= CALIBRATION_MIN_RUNS]
+    return {"auc": fc.auc(y_N, p_N), "brier": fc.brier(y_N, p_N), "calibration": table,
+            "calibrated": all(abs(b["mean_p"] - b["observed"]) <= CALIBRATION_TOL
+                              for b in checked)}
+
+
+def why_wrong(row: dict, p: float, fold: dict, rows: list[dict]) -> str:
+    """Why a run's held-out step-0 forecast is on the wrong side of 1/2."""
+    reasons = []
+    same = [r["collapsed"] for r in rows if r["inputs"] == row["inputs"]]
+    if 0 < sum(same) < len(same):
+        reasons.append(f"its seeds split: {sum(same)} of {len(same)} runs with the same inputs "
+                       "collapsed")
+    model = fc.Linear.from_json({k: v for k, v in fold.items() if k != "held_out"})
+    unseen = [n for n, m, s in zip(model.names, model.mean, model.scale, strict=True)
+              if s == 1.0 and row["inputs"].get(n, 0.0) != m]
+    if unseen:
+        reasons.append(f"{', '.join(unseen)} never varied in the training fold (weight 0)")
+    contributions = model.contributions(fc.design([row], fc.STEP0)[0])
+    toward = 1 if p >= 0.5 else -1
+    top = sorted((v for v in contributions.items() if v[1] * toward > 0),
+                 key=lambda v: -abs(v[1]))[:2]
+    if top:
+        reasons.append("pushed by " + ", ".join(f"{n} ({v:+.2f})" for n, v in top))
+    return "; ".join(reasons)
+
+
+def monitor_leads(rows: list[dict]) -> list[dict]:
+    """Per run with an onset, the monitor's first warn against the onset and the collapse
+    step, in steps and diagnostic intervals (positive: the warn came first)."""
+    out = []
+    for r in rows:
+        if r["onset_step"] is None:
+            continue
+        warn = r["first_warn"]
+        out.append({
+            "run_id": r["run_id"], "method": r["method"], "collapsed": r["collapsed"],
+            "onset_step": r["onset_step"], "collapse_step": r["collapse_step"],
+            "first_warn": warn,
+            "lead_to_onset_intervals": (None if warn is None else
+                                        intervals_between(r["diag_steps"], warn, r["onset_step"])),
+            "lead_to_collapse_intervals": (None if warn is None or not r["collapsed"] else
+                                           intervals_between(r["diag_steps"], warn,
+                                                             r["collapse_step"]))})
+    return out
+
+
+def validate(rows: list[dict]) -> dict:
+    y_N = np.array([r["collapsed"] for r in rows])
+    floor_N = np.array([r["floor"] for r in rows])
+    per_run = [{k: r[k] for k in ("run_id", "method", "layers", "lr", "warmup", "seed",
+                                  "collapsed", "floor", "onset_step", "first_warn")}
+               | {"p_collapse": {}, "p_floor": {}, "onset_predicted": {}} for r in rows]
+    schemes = {}
+    for scheme, key in SCHEMES.items():
+        groups = [r[key] for r in rows]
+        result: dict = {"collapse": {}, "wrong": []}
+        for name, names in FORECASTS.items():
+            p_N, folds = fc.held_out(rows, groups, names, "collapsed")
+            result["collapse"][name] = scores(y_N, p_N)
+            for run, p in zip(per_run, p_N, strict=True):
+                run["p_collapse"].setdefault(scheme, {})[name] = float(p)
+            if names == fc.STEP0:
+                by_group = {f["held_out"]: f for f in folds}
+                result["wrong"] = [
+                    {"run_id": r["run_id"], "method": r["method"], "p_collapse": float(p),
+                     "collapsed": r["collapsed"],
+                     "why": why_wrong(r, float(p), by_group[g], rows)}
+                    for r, p, g in zip(rows, p_N, groups, strict=True)
+                    if (p >= 0.5) != r["collapsed"]]
+        for horizon, label in ((fc.EARLY_STEPS, f"monitor: warned by step {fc.EARLY_STEPS}"),
+                               (None, "monitor: warned by the last step (a confirmation)")):
+            warned = np.array([r["first_warn"] is not None
+                               and (horizon is None or r["first_warn"] <= horizon)
+                               for r in rows], np.float64)
+            result["collapse"][label] = scores(y_N, warned)
+        p_floor, _ = fc.held_out(rows, groups, fc.STEP0, "floor")
+        result["floor"] = scores(floor_N, p_floor)
+        for run, p in zip(per_run, p_floor, strict=True):
+            run["p_floor"][scheme] = float(p)
+        onsets = fc.held_out_onsets(rows, groups)
+        p_step0 = np.array([run["p_collapse"][scheme]["step 0 (theory + config)"]
+                            for run in per_run])
+        close, stated = [], []
+        for r, run, onset, p in zip(rows, per_run, onsets, p_step0, strict=True):
+            run["onset_predicted"][scheme] = onset
+            if r["collapsed"]:
+                near = abs(intervals_between(r["diag_steps"], onset, r["onset_step"])) <= 1
+                close.append(near)
+                stated.append(near and p >= 0.5)
+        result["onset"] = {"collapsing_runs": len(close), "within_one_interval": int(sum(close)),
+                           "stated_and_within_one_interval": int(sum(stated))}
+        schemes[scheme] = result
+    return {"runs": len(rows), "collapsed": int(y_N.sum()), "at_the_floor": int(floor_N.sum()),
+            "rule": {"tsim_threshold": DEFAULT_RULE.tsim_threshold,
+                     "layer_fraction": DEFAULT_RULE.layer_fraction,
+                     "floor_ratio": fc.FLOOR_RATIO, "l2": fc.L2,
+                     "calibration_min_runs": CALIBRATION_MIN_RUNS,
+                     "calibration_tolerance": CALIBRATION_TOL},
+            "schemes": schemes, "monitor_leads": monitor_leads(rows), "per_run": per_run}
+
+
+def lead_summary(leads: list[dict]) -> list[list[str]]:
+    """Rows: collapsing runs by the monitor's lead to the onset, in diagnostic intervals."""
+    collapsing = [r for r in leads if r["collapsed"]]
+    values = sorted({r["lead_to_onset_intervals"] for r in collapsing}, key=lambda v: (v is None,
+                                                                                     v or 0))
+    return [[cell(v) if v is not None else "never warned",
+             str(sum(r["lead_to_onset_intervals"] == v for r in collapsing))] for v in values]
+
+
+def markdown(report: dict, models: dict) -> str:
+    lines = [f"# The collapse forecast, validated on {report['runs']} archived runs",
+             "", f"{report['collapsed']} collapsed (the project's rule); {report['at_the_floor']} "
+             f"ended at the floor (loss on fresh batches >= {fc.FLOOR_RATIO} x L_freq). "
+             "Generated by `python -m experiments.forecast_validation`; every probability below "
+             "is held out (the run's method, or its depth, was not in the fit).", ""]
+    for scheme, result in report["schemes"].items():
+        lines += [f"## {scheme.capitalize()}", "", "Collapse by the last step:", ""]
+        body = [[name, cell(s["auc"], ".3f"), cell(s["brier"], ".3f"), cell(s["calibrated"])]
+                for name, s in result["collapse"].items()]
+        lines += markdown_table(["forecast", "AUC", "Brier", "calibrated within "
+                                 f"{CALIBRATION_TOL} (deciles of >= {CALIBRATION_MIN_RUNS} runs)"],
+                                body)
+        floor = result["floor"]
+        lines += ["", f"At the floor, step-0 forecast: AUC {floor['auc']:.3f}, Brier "
+                  f"{floor['brier']:.3f}, calibrated: {cell(floor['calibrated'])}.", ""]
+        step0 = result["collapse"]["step 0 (theory + config)"]["calibration"]
+        lines += ["Calibration of the step-0 forecast (collapse):", ""]
+        lines += markdown_table(["stated p", "runs", "mean stated p", "observed rate"],
+                                [[f"{b['bin'][0]:.1f}-{b['bin'][1]:.1f}", str(b["runs"]),
+                                  f"{b['mean_p']:.3f}", f"{b['observed']:.3f}"] for b in step0])
+        onset = result["onset"]
+        lines += ["", f"Onset step (first diagnostic step with half the layers alike), on the "
+                  f"{onset['collapsing_runs']} collapsing runs: within one diagnostic interval "
+                  f"for {onset['within_one_interval']} "
+                  f"({onset['within_one_interval'] / onset['collapsing_runs']:.0%}); stated "
+                  f"(p_collapse >= 0.5) and within one interval for "
+                  f"{onset['stated_and_within_one_interval']}.", "",
+                  f"Runs the step-0 forecast gets wrong ({len(result['wrong'])}):", ""]
+        lines += markdown_table(["run", "p_collapse", "collapsed", "why"],
+                                [[w["run_id"], f"{w['p_collapse']:.2f}", cell(w["collapsed"]),
+                                  w["why"]] for w in result["wrong"]])
+        lines.append("")
+    lines += ["## The model fitted on every run (`model.json`)", "",
+              "Weights on the standardised inputs (log-odds per standard deviation):", ""]
+    names = models["collapse"]["names"]
+    lines += markdown_table(
+        ["input", "mean", "sd", "collapse", "floor", "log onset"],
+        [[n, f"{models['collapse']['mean'][i]:.4g}", f"{models['collapse']['scale'][i]:.4g}"]
+         + [f"{models[k]['weights'][i]:+.3f}" for k in ("collapse", "floor", "log_onset")]
+         for i, n in enumerate(names)])
+    lines += ["", "## The monitor against the onset", "",
+              "Per collapsing run, the monitor's first warn (as archived) against the onset step, "
+              "in diagnostic intervals (positive: the warn came first):", ""]
+    lines += markdown_table(["lead to the onset (intervals)", "collapsing runs"],
+                            lead_summary(report["monitor_leads"]))
+    quiet = [r for r in report["monitor_leads"] if not r["collapsed"]]
+    lines += ["", f"{len(quiet)} runs that did not collapse had an onset too (half the layers "
+              f"alike at some diagnostic step); the monitor warned on "
+              f"{sum(r['first_warn'] is not None for r in quiet)} of them.", ""]
+    return "\n".join(lines)
+
+
+def plot_calibration(report: dict, path: str) -> None:
+    fig, axes = plt.subplots(1, len(report["schemes"]), figsize=(5.2 * len(report["schemes"]), 4.6))
+    for ax, (scheme, result) in zip(np.atleast_1d(axes), report["schemes"].items(), strict=True):
+        ax.plot([0, 1], [0, 1], color="grey", lw=1, ls=":")
+        for name in FORECASTS:
+            bins = result["collapse"][name]["calibration"]
+            ax.plot([b["mean_p"] for b in bins], [b["observed"] for b in bins], marker="o",
+                    label=f"{name} (AUC {result['collapse'][name]['auc']:.3f})")
+        ax.set(xlabel="stated probability of collapse (decile mean)",
+               ylabel="observed collapse rate", title=scheme, xlim=(0, 1), ylim=(0, 1))
+        ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    save_figure(fig, path, dpi=110)
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    start = time.perf_counter()
+    out_dir = make_output_dir(os.path.abspath(FLAGS.out_dir), "--out_dir")
+    rows = archived_rows(FLAGS.archive)
+    models = fc.fit_forecast(rows)
+    report = validate(rows)
+    write_json_atomic(os.path.join(out_dir, "model.json"), models)
+    write_json_atomic(os.path.join(out_dir, "validation.json"), report)
+    table = markdown(report, models)
+    write_bytes_atomic(os.path.join(out_dir, "validation.md"), table.encode())
+    plot_calibration(report, os.path.join(out_dir, "calibration.png"))
+    print(table)
+    print(f"{len(rows)} runs, {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    app.run(exit_on_error(main))

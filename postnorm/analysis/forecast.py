@@ -1,0 +1,385 @@
+"""The collapse forecast before training (docs/FORECAST.md): inputs from the theory at init and
+the config, small L2 logistic and ridge models fitted on archived runs, and their scores.
+
+Inputs, never outcomes (``step0_inputs``):
+
+* ``tsim_max`` / ``tsim_mean``: the mean-field Gram recursion's token similarity at init for the
+  run's arrangement (``PLACEMENTS[norm].gram_maps``), its largest after any sublayer and its mean
+  at the layers' attention inputs, from an equicorrelated input of ``model.init_tsim_input``;
+* ``log_skip_gain``: log of the product over the layers of the skip paths' backward gain at init
+  (``MeanFieldTrace.skip_gain``): Stage II's product of contractions c;
+* ``log_erase_fraction``: log of the step at which Adam has moved W_V or W_O (the matrices of
+  the attention amount s) by its init scale, lr per step summed over the schedule, over
+  ``train.steps``: how much of the run the init's similarity profile governs;
+* ``log2_layers``, ``log_lr``, ``warmup_fraction``;
+* the training-time methods, which the theory at init cannot see, as config flags:
+  ``qk_norm``, ``grad_repair``, ``z_loss``, ``diversity``, ``monitor_action``,
+  ``residual_budget``, ``placement_controller``.
+
+The onset step is ``half_alike_step`` (``postnorm.analysis.collapse``), the first diagnostic
+step with half the layers alike.
+"""
+
+import dataclasses
+import functools
+import json
+import math
+import os
+
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from postnorm import theory
+from postnorm.analysis.collapse import DEFAULT_RULE, half_alike_step
+from postnorm.config.schema import base_config
+from postnorm.errors import UserError
+from postnorm.model.placements import PLACEMENTS, init_gains
+from postnorm.model.similarity_init import with_similarity_init
+from postnorm.model.spec import ModelSpec
+from postnorm.train.optim import learning_rate_schedule
+
+MODEL_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "docs", "figures", "forecast", "model.json")
+THEORY = ("tsim_max", "tsim_mean", "log_skip_gain", "log_erase_fraction")
+SCHEDULE = ("log2_layers", "log_lr", "warmup_fraction")
+TRAINING_FLAGS = ("qk_norm", "grad_repair", "z_loss", "diversity", "monitor_action",
+                  "residual_budget", "placement_controller")
+STEP0 = THEORY + SCHEDULE + TRAINING_FLAGS
+EARLY = STEP0 + ("alike_fraction_early",)  # + the diagnostics of the first EARLY_STEPS steps
+BASELINE = ("log2_layers", "log_lr")
+EARLY_STEPS = 30
+FLOOR_RATIO = 0.95  # "at the floor": loss on fresh batches >= 0.95 x L_freq
+L2 = 1.0  # the penalty 1/2 L2 |w|^2 on the standardised features' weights, fixed beforehand
+
+
+class ForecastError(UserError, ValueError):
+    """A config the forecast cannot read (the message names the field)."""
+
+
+def full_config(data: dict | ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """``base_config()`` with the fields of ``data`` (a config, or an archived record's config
+    data, which may predate some fields: those keep their defaults)."""
+    config = base_config()
+    if isinstance(data, ml_collections.ConfigDict):
+        data = data.to_dict()
+    for section, fields in data.items():
+        if isinstance(fields, dict):
+            config[section].update(fields)
+        else:
+            config[section] = fields
+    return config
+
+
+@functools.lru_cache(maxsize=64)
+def _init_trace(spec: ModelSpec, t_input: float) -> theory.MeanFieldTrace:
+    amt = theory.amounts(spec.d_model, spec.d_ff, spec.init).with_gains(init_gains(spec))
+    n = spec.max_len
+    rho = float(theory.ec_rho(t_input, n))
+    return theory.mean_field_recursion((1 - rho) * np.eye(n) + rho, spec.n_layers, amt,
+                                       PLACEMENTS[spec.norm].gram_maps(spec))
+
+
+def model_spec(config: ml_collections.ConfigDict) -> ModelSpec:
+    """The run's ModelSpec at init (W_O's gain solved where the similarity-aware init is on)."""
+    model = config.model.to_dict() | {"attention": "einsum"}
+    try:
+        spec = ModelSpec.from_config(model, vocab_size=config.data.vocab_size,
+                                     max_len=config.data.seq_len)
+    except (TypeError, ValueError) as err:
+        raise ForecastError(f"the config's model section builds no network: {err}") from err
+    if spec.norm not in PLACEMENTS:
+        raise ForecastError(f"model.norm={spec.norm!r} is not an arrangement of "
+                            f"postnorm.model.placements: {', '.join(PLACEMENTS)}")
+    return with_similarity_init(spec, config.model.init_tsim_target,
+                                config.model.init_tsim_input)
+
+
+def erase_step(opt_cfg: ml_collections.ConfigDict, steps: int, scale: float) -> float:
+    """The first step by which the learning rates summed over the schedule reach ``scale``
+    (Adam moves each entry by about lr per step), ``steps`` x the ratio past the run's end."""
+    lr_S = np.asarray(learning_rate_schedule(opt_cfg, steps)(jnp.arange(steps)), np.float64)
+    moved_S = np.cumsum(lr_S)
+    reached = np.flatnonzero(moved_S >= scale)
+    return float(reached[0] + 1) if reached.size else steps * scale / float(moved_S[-1])
+
+
+def init_scale(spec: ModelSpec, name: str) -> float:
+    """The init standard deviation of layer matrix ``name`` (its gain included)."""
+    shapes = {"w_v": (spec.d_model, spec.d_model), "w_o": (spec.d_model, spec.d_model)}
+    fan_in, fan_out = shapes[name]
+    var = theory.kernel_variance(spec.init, fan_in, fan_out)
+    return float(np.sqrt(var) * init_gains(spec).get(name, 1.0))
+
+
+def step0_inputs(data: dict | ml_collections.ConfigDict) -> dict[str, float]:
+    """The forecast's inputs (``STEP0``) for a config, from the theory at init and the config
+    alone. ``ForecastError`` for a config they cannot be computed for."""
+    config = full_config(data)
+    if config.opt.optimizer != "adamw":
+        raise ForecastError(f"opt.optimizer={config.opt.optimizer!r}: the forecast's erase time "
+                            "is Adam's (lr per step), and every archived run trained with adamw")
+    if config.train.steps < 1 or config.opt.lr <= 0:
+        raise ForecastError("train.steps and opt.lr must be positive for a forecast")
+    spec = model_spec(config)
+    trace = _init_trace(spec, float(config.model.init_tsim_input))
+    steps = int(config.train.steps)
+    erase = min(erase_step(config.opt, steps, init_scale(spec, name)) for name in ("w_v", "w_o"))
+    adaptive = spec.norm == "adaptive"
+    return {
+        "tsim_max": float(trace.tsim_after.max()),
+        "tsim_mean": float(trace.tsim_in.mean()),
+        "log_skip_gain": float(np.sum(np.log(trace.skip_gain))),
+        "log_erase_fraction": math.log(erase / steps),
+        "log2_layers": math.log2(spec.n_layers),
+        "log_lr": math.log(config.opt.lr),
+        "warmup_fraction": config.opt.warmup_steps / steps,
+        "qk_norm": float(spec.qk_norm),
+        "grad_repair": float(bool(config.train.grad_repair)),
+        "z_loss": float(config.opt.z_loss > 0),
+        "diversity": float(config.opt.diversity_weight > 0),
+        "monitor_action": float(config.monitor.action != "none"),
+        "residual_budget": float(spec.residual_budget != "none"),
+        "placement_controller": float(adaptive and bool(config.train.placement_controller)),
+    }
+
+
+def early_inputs(diag_steps: list[int], fraction: list[float]) -> dict[str, float]:
+    """The diagnostics of the first ``EARLY_STEPS`` steps: the fraction of the layers alike
+    at the last diagnostic step by then."""
+    early = [f for s, f in zip(diag_steps, fraction, strict=True) if s <= EARLY_STEPS]
+    return {"alike_fraction_early": float(early[-1]) if early else 0.0}
+
+
+# the models ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Linear:
+    """A linear score on standardised inputs: w . (x - mean) / scale + bias."""
+
+    names: tuple[str, ...]
+    mean: tuple[float, ...]
+    scale: tuple[float, ...]
+    weights: tuple[float, ...]
+    bias: float
+
+    def score(self, x_NxF: np.ndarray) -> np.ndarray:
+        z_NxF = (np.asarray(x_NxF, np.float64) - np.array(self.mean)) / np.array(self.scale)
+        return z_NxF @ np.array(self.weights) + self.bias
+
+    def contributions(self, x_F: np.ndarray) -> dict[str, float]:
+        z_F = (np.asarray(x_F, np.float64) - np.array(self.mean)) / np.array(self.scale)
+        return dict(zip(self.names, (z_F * np.array(self.weights)).tolist(), strict=True))
+
+    def to_json(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v
+                for k, v in dataclasses.asdict(self).items()}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Linear":
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+
+def _standardise(x_NxF: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Means and scales; a column constant over the runs gets scale 1 (and so weight 0)."""
+    mean_F = x_NxF.mean(axis=0)
+    std_F = x_NxF.std(axis=0)
+    return mean_F, np.where(std_F > 1e-12, std_F, 1.0)
+
+
+def fit_logistic(x_NxF: np.ndarray, y_N: np.ndarray, names: tuple[str, ...],
+                 l2: float = L2) -> Linear:
+    """L2-penalised logistic regression (the bias unpenalised) by Newton's method to
+    convergence: deterministic, and unique since the objective is strictly convex."""
+    x_NxF, y_N = np.asarray(x_NxF, np.float64), np.asarray(y_N, np.float64)
+    mean_F, scale_F = _standardise(x_NxF)
+    z_NxF = np.hstack([(x_NxF - mean_F) / scale_F, np.ones((len(y_N), 1))])
+    penalty_F = np.full(z_NxF.shape[1], l2)
+    penalty_F[-1] = 0.0
+    w_F = np.zeros(z_NxF.shape[1])
+    for _ in range(100):
+        p_N = 1.0 / (1.0 + np.exp(-(z_NxF @ w_F)))
+        grad_F = z_NxF.T @ (p_N - y_N) + penalty_F * w_F
+        hess_FxF = (z_NxF.T * (p_N * (1 - p_N))) @ z_NxF + np.diag(penalty_F) + 1e-9 * np.eye(
+            len(w_F))
+        step_F = np.linalg.solve(hess_FxF, grad_F)
+        w_F = w_F - step_F
+        if np.max(np.abs(step_F)) < 1e-10:
+            break
+    return Linear(names, tuple(mean_F.tolist()), tuple(scale_F.tolist()),
+                  tuple(w_F[:-1].tolist()), float(w_F[-1]))
+
+
+def fit_ridge(x_NxF: np.ndarray, y_N: np.ndarray, names: tuple[str, ...],
+              l2: float = L2) -> Linear:
+    """Ridge regression (the bias unpenalised), in closed form."""
+    x_NxF, y_N = np.asarray(x_NxF, np.float64), np.asarray(y_N, np.float64)
+    mean_F, scale_F = _standardise(x_NxF)
+    z_NxF = (x_NxF - mean_F) / scale_F
+    w_F = np.linalg.solve(z_NxF.T @ z_NxF + l2 * np.eye(len(names)),
+                          z_NxF.T @ (y_N - y_N.mean()))
+    return Linear(names, tuple(mean_F.tolist()), tuple(scale_F.tolist()), tuple(w_F.tolist()),
+                  float(y_N.mean()))
+
+
+def probability(model: Linear, x_NxF: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-model.score(x_NxF)))
+
+
+def snap_to_interval(step: float, every: int) -> int:
+    """A predicted step as the nearest diagnostic step (a multiple of ``every``, at least 1)."""
+    return max(1, int(round(step / every)) * every)
+
+
+# the archive ----------------------------------------------------------------------------------
+
+def archive_row(entry: dict) -> dict | None:
+    """One archived run as the forecast reads it: its config, its labels (collapsed by the
+    project's rule, at the floor, the onset step) and its monitor's first warn; None for a run
+    without a verdict or measures (not ``done``, or archived unmeasured)."""
+    result, measures = entry["result"], entry.get("measures") or {}
+    if result.get("status") != "done" or "collapse" not in result or "first_warn" not in measures:
+        return None
+    collapse = result["collapse"]
+    return {
+        "run_id": entry["run_id"], "config": entry["config"],
+        "inputs": step0_inputs(entry["config"]),
+        "collapsed": bool(collapse["collapsed"]),
+        "floor": bool(measures["fresh_loss_over_lfreq"] >= FLOOR_RATIO),
+        "fresh_loss_over_lfreq": float(measures["fresh_loss_over_lfreq"]),
+        "onset_step": half_alike_step(collapse["diag_steps"], collapse["fraction_collapsed"],
+                                      DEFAULT_RULE),
+        "collapse_step": collapse["collapse_step"],
+        "diag_steps": collapse["diag_steps"],
+        "first_warn": measures["first_warn"],
+        "early": early_inputs(collapse["diag_steps"], collapse["fraction_collapsed"]),
+    }
+
+
+def design(rows: list[dict], names: tuple[str, ...]) -> np.ndarray:
+    """The inputs ``names`` of each row (its ``inputs`` with its ``early`` diagnostics)."""
+    return np.array([[{**r["inputs"], **r["early"]}[n] for n in names] for r in rows], np.float64)
+
+
+# the forecast ---------------------------------------------------------------------------------
+
+def fit_forecast(rows: list[dict]) -> dict:
+    """The three step-0 models fitted on archived rows (each with ``inputs``): collapse and
+    floor (logistic) and the onset step's log on the collapsing runs (ridge)."""
+    x_NxF = design(rows, STEP0)
+    collapsing = [i for i, r in enumerate(rows) if r["collapsed"]]
+    onsets = np.log([rows[i]["onset_step"] for i in collapsing])
+    return {
+        "collapse": fit_logistic(x_NxF, [r["collapsed"] for r in rows], STEP0).to_json(),
+        "floor": fit_logistic(x_NxF, [r["floor"] for r in rows], STEP0).to_json(),
+        "log_onset": fit_ridge(x_NxF[collapsing], onsets, STEP0).to_json(),
+        "runs": len(rows), "collapsed": len(collapsing),
+        "range": {n: [float(x_NxF[:, i].min()), float(x_NxF[:, i].max())]
+                  for i, n in enumerate(STEP0)},
+    }
+
+
+def forecast(models: dict, inputs: dict[str, float], diag_every: int) -> dict:
+    """The forecast of one config from its ``step0_inputs``: p_collapse, p_floor, the onset
+    step (None when a collapse is not the likelier outcome) and each input with its
+    contribution to the collapse's log-odds and whether it lies in the fitted runs' range
+    (outside it the forecast extrapolates)."""
+    x_F = np.array([inputs[n] for n in STEP0])
+    collapse, floor = Linear.from_json(models["collapse"]), Linear.from_json(models["floor"])
+    onset = Linear.from_json(models["log_onset"])
+    p_collapse = float(probability(collapse, x_F[None])[0])
+    contributions = collapse.contributions(x_F)
+    return {
+        "p_collapse": p_collapse,
+        "p_floor": float(probability(floor, x_F[None])[0]),
+        "onset_step": (snap_to_interval(float(np.exp(onset.score(x_F[None])[0])), diag_every)
+                       if p_collapse >= 0.5 else None),
+        "inputs": {n: {"value": inputs[n], "log_odds": contributions[n],
+                       "in_fitted_range": bool(models["range"][n][0] <= inputs[n]
+                                               <= models["range"][n][1])} for n in STEP0},
+    }
+
+
+def forecast_config(config: ml_collections.ConfigDict | dict, models: dict) -> dict:
+    """``forecast`` of a config (``ForecastError`` where its inputs cannot be computed)."""
+    full = full_config(config)
+    return forecast(models, step0_inputs(full), int(full.diag.every))
+
+
+# scores ---------------------------------------------------------------------------------------
+
+def auc(y_N, p_N) -> float:
+    """The probability that a positive run scores above a negative one (ties count half)."""
+    y_N, p_N = np.asarray(y_N, bool), np.asarray(p_N, np.float64)
+    pos, neg = p_N[y_N], p_N[~y_N]
+    if not pos.size or not neg.size:
+        return float("nan")
+    greater = (pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum()
+    return float(greater / (pos.size * neg.size))
+
+
+def brier(y_N, p_N) -> float:
+    return float(np.mean((np.asarray(p_N, np.float64) - np.asarray(y_N, np.float64)) ** 2))
+
+
+def calibration(y_N, p_N, bins: int = 10) -> list[dict]:
+    """Per decile of the stated probability: its runs, mean probability and observed rate."""
+    y_N, p_N = np.asarray(y_N, np.float64), np.asarray(p_N, np.float64)
+    index_N = np.minimum((p_N * bins).astype(int), bins - 1)
+    out = []
+    for b in range(bins):
+        members = index_N == b
+        if members.any():
+            out.append({"bin": [b / bins, (b + 1) / bins], "runs": int(members.sum()),
+                        "mean_p": float(p_N[members].mean()),
+                        "observed": float(y_N[members].mean())})
+    return out
+
+
+# cross-validation -----------------------------------------------------------------------------
+
+def held_out(rows: list[dict], groups: list[object], names: tuple[str, ...], target: str
+             ) -> tuple[np.ndarray, list[dict]]:
+    """Each row's probability of ``target`` from a logistic model on ``names`` fitted on the
+    rows of the other groups, and each fold's model (as JSON, with its group)."""
+    p_N = np.zeros(len(rows))
+    models = []
+    for group in sorted(set(groups), key=str):
+        train = [r for r, g in zip(rows, groups, strict=True) if g != group]
+        test = [i for i, g in enumerate(groups) if g == group]
+        model = fit_logistic(design(train, names), [r[target] for r in train], names)
+        p_N[test] = probability(model, design([rows[i] for i in test], names))
+        models.append({"held_out": group, **model.to_json()})
+    return p_N, models
+
+
+def held_out_onsets(rows: list[dict], groups: list[object]) -> list[int | None]:
+    """Per row, the onset step the step-0 ridge model predicts for it when fitted on the
+    collapsing rows of the other groups (None for a row that did not collapse)."""
+    onsets: list[int | None] = [None] * len(rows)
+    for group in sorted(set(groups), key=str):
+        train = [r for r, g in zip(rows, groups, strict=True) if g != group and r["collapsed"]]
+        model = fit_ridge(design(train, STEP0), np.log([r["onset_step"] for r in train]), STEP0)
+        for i, g in enumerate(groups):
+            if g == group and rows[i]["collapsed"]:
+                every = int(full_config(rows[i]["config"]).diag.every)
+                step = float(np.exp(model.score(design([rows[i]], STEP0))[0]))
+                onsets[i] = snap_to_interval(step, every)
+    return onsets
+
+
+def forecast_line(config: ml_collections.ConfigDict, model_path: str = MODEL_PATH) -> str:
+    """The step-0 forecast as one log line; where it cannot be computed (an exotic config, a
+    missing or damaged model file) the line says why instead of raising."""
+    try:
+        with open(model_path) as f:
+            models = json.load(f)
+        result = forecast_config(config, models)
+    except (OSError, ValueError, KeyError, TypeError) as err:  # ForecastError is a ValueError
+        return f"collapse forecast: none ({type(err).__name__}: {err})"
+    outside = [n for n, e in result["inputs"].items() if not e["in_fitted_range"]]
+    onset = result["onset_step"]
+    return (f"collapse forecast at step 0: p_collapse {result['p_collapse']:.2f}, p_floor "
+            f"{result['p_floor']:.2f}, onset step {onset if onset is not None else 'none'}"
+            + (f" (extrapolated: {', '.join(outside)} outside the fitted runs)" if outside else "")
+            + " (docs/FORECAST.md)")

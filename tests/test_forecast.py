@@ -1,0 +1,198 @@
+"""The collapse forecast: its theory inputs against a Monte Carlo forward pass, its schedule
+input against the schedule's formula, its fit, determinism and CLI, and the committed
+validation's scores recomputed independently."""
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from scipy.stats import rankdata
+
+from postnorm.analysis import forecast as fc
+from postnorm.analysis.collapse import half_alike_step
+from postnorm.config.schema import base_config
+from postnorm.sweep.archive import read_archive
+from tests.committed import assert_json_matches
+from tests.reliability_helpers import REPO, subprocess_env
+
+FORECAST_DIR = REPO / "docs" / "figures" / "forecast"
+ARCHIVE = REPO / "docs" / "leaderboard" / "runs"
+
+
+def small_config(**model):
+    config = base_config()
+    config.model.update({"n_layers": 3, "d_model": 128, "n_heads": 4, "d_ff": 384, **model})
+    config.data.seq_len = 32  # n t > 1: a positive EC correlation
+    return config
+
+
+def _rms_normalise(y_NxD):
+    return y_NxD / np.sqrt(np.mean(y_NxD**2, axis=-1, keepdims=True))
+
+
+def monte_carlo(config, draws: int, seed: int = 0):
+    """tsim after each sublayer and each layer's skip-path gain, averaged over random draws
+    of a numpy stack of mixed sublayers (lambda 1: Post-Norm) with uniform causal attention,
+    SwiGLU and Gaussian weights of the init's variances."""
+    m = config.model
+    lam = 1.0 if m.norm == "post" else m.adaptive_initial_mix
+    n, d, f = config.data.seq_len, m.d_model, m.d_ff
+    rng = np.random.default_rng(seed)
+    p_NxN = np.tril(np.ones((n, n))) / np.arange(1, n + 1)[:, None]
+    rho = (n * m.init_tsim_input - 1) / (n - 1)
+    sd_dd, sd_df, sd_fd = np.sqrt(1 / (3 * d)), np.sqrt(1 / (3 * d)), np.sqrt(1 / (3 * f))
+    tsim_Dx2L = np.zeros((draws, 2 * m.n_layers))
+    y_sq_Dx2L = np.zeros((draws, 2 * m.n_layers))
+    silu = lambda v: v / (1 + np.exp(-v))  # noqa: E731
+    for k in range(draws):
+        x = np.sqrt(rho) * rng.normal(size=(1, d)) + np.sqrt(1 - rho) * rng.normal(size=(n, d))
+        for i in range(2 * m.n_layers):
+            read = lam * x + (1 - lam) * _rms_normalise(x)
+            if i % 2 == 0:
+                branch = p_NxN @ read @ rng.normal(0, sd_dd, (d, d)) @ rng.normal(0, sd_dd, (d, d))
+            else:
+                gate, up = rng.normal(0, sd_df, (d, f)), rng.normal(0, sd_df, (d, f))
+                branch = (silu(read @ gate) * (read @ up)) @ rng.normal(0, sd_fd, (f, d))
+            y = x + branch
+            y_sq_Dx2L[k, i] = np.mean(y**2)
+            x = lam * _rms_normalise(y) + (1 - lam) * y
+            tsim_Dx2L[k, i] = np.sum(x.sum(0) ** 2) / (n * np.sum(x**2))
+    c_2L = 1 / np.sqrt(y_sq_Dx2L.mean(0))
+    skip_L = np.prod((lam * c_2L + 1 - lam).reshape(-1, 2), axis=1)
+    return tsim_Dx2L.mean(0), skip_L
+
+
+@pytest.mark.parametrize("model", [{"norm": "post"},
+                                   {"norm": "adaptive", "adaptive_initial_mix": 0.5}])
+def test_theory_inputs_match_a_monte_carlo_forward_pass(model):
+    config = small_config(**model)
+    inputs = fc.step0_inputs(config)
+    tsim_2L, skip_L = monte_carlo(config, draws=200)
+    assert inputs["tsim_max"] == pytest.approx(tsim_2L.max(), rel=0.05)
+    assert inputs["log_skip_gain"] == pytest.approx(np.sum(np.log(skip_L)), rel=0.05)
+    assert inputs["log_skip_gain"] < -0.02  # the contraction is there to be measured
+
+
+@pytest.mark.parametrize("warmup,schedule", [(20, "cosine"), (100, "cosine"), (5, "constant")])
+def test_erase_step_sums_the_schedules_formula(warmup, schedule):
+    config = base_config()
+    config.opt.update({"warmup_steps": warmup, "schedule": schedule, "lr": 3e-3})
+    steps, lr, low = 300, 3e-3, config.opt.min_lr_ratio
+    moved, reached = 0.0, None
+    for t in range(steps):  # optax's linear warmup, then cosine to lr * min_lr_ratio
+        if t < warmup:
+            rate = lr * t / warmup
+        elif schedule == "constant":
+            rate = lr
+        else:
+            rate = lr * (low + (1 - low) * 0.5 * (1 + math.cos(math.pi * (t - warmup)
+                                                                 / (steps - warmup))))
+        moved += rate
+        if reached is None and moved >= 0.072:
+            reached = t + 1
+    assert fc.erase_step(config.opt, steps, 0.072) == reached
+    assert fc.erase_step(config.opt, steps, 2 * moved) == pytest.approx(2 * steps, rel=1e-5)
+
+
+def test_the_logistic_fit_meets_its_optimality_condition():
+    rng = np.random.default_rng(1)
+    x_NxF = rng.normal(size=(80, 3)) * [1.0, 5.0, 0.1]
+    y_N = (x_NxF @ [1.0, -0.2, 4.0] + rng.normal(size=80)) > 0
+    model = fc.fit_logistic(x_NxF, y_N, ("a", "b", "c"), l2=2.0)
+    z_NxF = (x_NxF - x_NxF.mean(0)) / x_NxF.std(0)
+    p_N = 1 / (1 + np.exp(-(z_NxF @ np.array(model.weights) + model.bias)))
+    np.testing.assert_allclose(z_NxF.T @ (p_N - y_N) + 2.0 * np.array(model.weights), 0,
+                               atol=1e-8)
+    assert abs(np.sum(p_N - y_N)) < 1e-8  # the unpenalised bias
+
+
+def test_the_onset_is_the_rules_similar_layers_step_on_every_archived_run():
+    for entry in read_archive(str(ARCHIVE)):
+        collapse = entry["result"]["collapse"]
+        assert half_alike_step(collapse["diag_steps"], collapse["fraction_collapsed"]) == \
+            collapse["similar_layers_step"]
+
+
+def test_the_committed_model_is_the_fit_on_the_archive():
+    rows = [r for r in map(fc.archive_row, read_archive(str(ARCHIVE))) if r is not None]
+    committed = json.loads((FORECAST_DIR / "model.json").read_text())
+    assert_json_matches(fc.fit_forecast(rows), committed)
+
+
+def _independent_auc(y, p) -> float:
+    ranks = rankdata(p)  # Mann-Whitney: average ranks for ties
+    pos = np.asarray(y, bool)
+    n_pos, n_neg = pos.sum(), (~pos).sum()
+    return float((ranks[pos].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def test_the_committed_scores_recompute_from_the_committed_probabilities():
+    report = json.loads((FORECAST_DIR / "validation.json").read_text())
+    runs = report["per_run"]
+    for scheme, result in report["schemes"].items():
+        for name, scores in result["collapse"].items():
+            if name.startswith("monitor"):
+                continue
+            p = [r["p_collapse"][scheme][name] for r in runs]
+            y = [r["collapsed"] for r in runs]
+            assert math.isclose(scores["auc"], _independent_auc(y, p), rel_tol=1e-9)
+            brier = sum((pi - yi) ** 2 for pi, yi in zip(p, y, strict=True)) / len(p)
+            assert math.isclose(scores["brier"], brier, rel_tol=1e-9)
+        p = [r["p_floor"][scheme] for r in runs]
+        assert math.isclose(result["floor"]["auc"],
+                            _independent_auc([r["floor"] for r in runs], p), rel_tol=1e-9)
+
+
+def test_the_forecast_is_deterministic_and_states_an_onset_only_for_a_collapse():
+    models = json.loads((FORECAST_DIR / "model.json").read_text())
+    first = fc.forecast_config(small_config(), models)
+    assert fc.forecast_config(small_config(), models) == first
+    pre = fc.forecast_config(small_config(norm="pre"), models)
+    assert (pre["onset_step"] is None) == (pre["p_collapse"] < 0.5)
+
+
+def run_forecast(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "experiments.forecast", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120,
+                          env=subprocess_env(None))
+
+
+def test_the_cli_writes_exactly_the_four_keys_and_the_same_forecast_twice(tmp_path):
+    outputs = []
+    for name in ("a.json", "b.json"):
+        result = run_forecast("--config", "configs/default.py:layers=12", "--json",
+                              str(tmp_path / name))
+        assert result.returncode == 0, result.stderr[-2000:]
+        outputs.append(json.loads((tmp_path / name).read_text()))
+    assert outputs[0] == outputs[1]
+    assert set(outputs[0]) == {"p_collapse", "p_floor", "onset_step", "inputs"}
+    assert set(outputs[0]["inputs"]) == set(fc.STEP0)
+    assert "p_collapse" in result.stdout
+
+
+def test_the_cli_refuses_an_unknown_field_in_one_line(tmp_path):
+    result = run_forecast("--config", "configs/default.py:model.bogus=1", "--json",
+                          str(tmp_path / "f.json"))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "postnorm: error: unknown config key 'model.bogus'" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "f.json").exists()
+
+
+def test_the_docs_table_is_the_committed_validation():
+    report = json.loads((FORECAST_DIR / "validation.json").read_text())
+    text = (REPO / "docs" / "FORECAST.md").read_text()
+    schemes = ("leave one method out", "leave one depth out")
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:6]]
+            for line in text.split("| forecast | AUC", 1)[1].splitlines()[2:]
+            if line.startswith("|")}
+    assert set(rows) == set(report["schemes"][schemes[0]]["collapse"])
+    for name, cells in rows.items():
+        want = [f"{report['schemes'][s]['collapse'][name][k]:.3f}" for s in schemes
+                for k in ("auc", "brier")]
+        assert cells == want, name
+    onset = report["schemes"][schemes[0]]["onset"]
+    assert (f"on {onset['within_one_interval']} of the {onset['collapsing_runs']} collapsing "
+            "runs") in " ".join(text.split())
