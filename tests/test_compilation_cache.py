@@ -22,8 +22,8 @@ HIT = "Persistent compilation cache hit for 'jit_guarded'"  # the train and diag
 
 def _main(config: str, workdir: Path) -> subprocess.CompletedProcess:
     """main.py on one CPU device, with no cache from the environment and JAX's compiler logging
-    on. Every program is written to the cache (the tiny model compiles in less than JAX's
-    default threshold of one second)."""
+    on (and shown: ``runtime.log_level=debug``). Every program is written to the cache (the
+    tiny model compiles in less than JAX's default threshold of one second)."""
     env = {**subprocess_env(None), "JAX_DEBUG_LOG_MODULES": "jax._src.compiler"}
     return subprocess.run([sys.executable, "main.py", "--config", config, "--workdir",
                            str(workdir)], cwd=REPO, capture_output=True, text=True,
@@ -34,7 +34,8 @@ def _main(config: str, workdir: Path) -> subprocess.CompletedProcess:
 def test_a_second_run_loads_the_first_runs_programs_and_computes_the_same_losses(tmp_path):
     cache = tmp_path / "cache" / "jax"  # created by the first run
     config = config_flag(write_corpus(tmp_path / "corpus"), tmp_path / "tfds", train__steps=6,
-                         runtime__compilation_cache_dir=str(cache))
+                         runtime__compilation_cache_dir=str(cache),
+                         runtime__log_level="debug")
     first = _main(config, tmp_path / "first")
     assert first.returncode == 0, first.stderr[-3000:]
     assert f"compilation cache: {cache} (0 compiled programs)" in first.stderr

@@ -128,8 +128,8 @@ def test_an_unknown_log_level_is_a_config_error(tmp_path):
                            str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=120,
                           env=subprocess_env(None))
     assert done.returncode == 2
-    assert "runtime.log_level='loud' is invalid: must be one of ['info', 'warning', 'error']" \
-        in done.stderr
+    assert ("runtime.log_level='loud' is invalid: must be one of "
+            "['debug', 'info', 'warning', 'error']") in done.stderr
 
 
 @pytest.mark.slow

@@ -108,7 +108,7 @@ CASES = [
     ("model.rope_base", float("inf"), "must be finite and a number > 1"),
     ("mesh.fsdp", 0, POSITIVE_INT),
     ("runtime.allocator", "jemalloc", r"must be one of \['auto', 'system', 'tcmalloc'\]"),
-    ("runtime.log_level", "debug", r"must be one of \['info', 'warning', 'error'\]"),
+    ("runtime.log_level", "loud", r"must be one of \['debug', 'info', 'warning', 'error'\]"),
     ("runtime.compilation_cache_dir", None, "must be a directory path, or '' for no cache"),
     ("runtime.xla_options", None, r"must be a string of XLA compile options \(name=value, "),
     ("runtime.xla_options", "xla_cpu_enable_fast_math", "runtime.xla_options="

@@ -163,8 +163,8 @@ def base_config() -> ml_collections.ConfigDict:
     # auto | system | tcmalloc: tcmalloc (preloaded by re-executing the command) keeps XLA's
     # per-call temporaries mapped; auto uses it when the library is installed
     c.runtime.allocator = "auto"
-    # info | warning | error: the level from which other libraries' log records (orbax's saves,
-    # tfds, JAX, clu) reach the console; the project's own lines always do
+    # debug | info | warning | error: the level from which other libraries' log records (orbax's
+    # saves, tfds, JAX, clu) reach the console; the project's own lines always do
     # (postnorm.runtime.console)
     c.runtime.log_level = "warning"
     # a directory for JAX's persistent compilation cache (e.g. ~/.cache/postnorm/jax): runs whose

@@ -1,6 +1,8 @@
 """What reaches the console (``runtime.log_level``): the project's own log lines always, other
 libraries' (orbax, tfds, JAX, clu) only at or above the level chosen, and tfds's progress bars
-(a first run's data preparation) only at ``info``."""
+(a first run's data preparation) only at ``info`` and ``debug``. ``debug`` also passes the
+records of loggers a library turned to DEBUG (e.g. JAX's compiler under
+``JAX_DEBUG_LOG_MODULES``)."""
 
 import functools
 import logging
@@ -10,7 +12,8 @@ import sys
 import tensorflow_datasets as tfds
 from absl import logging as absl_logging
 
-LOG_LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+              "error": logging.ERROR}
 _CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _PROJECT_TOPS = ("postnorm", "main.py", "experiments", "configs", "benchmarks")
 
@@ -41,7 +44,7 @@ class ThirdPartyFilter(logging.Filter):
 def set_log_level(level: str) -> None:
     """Show other libraries' log records from ``level`` (a ``LOG_LEVELS`` key) up on absl's
     handler, which prints every record of the process; replaces an earlier setting."""
-    tfds.display_progress_bar(level == "info")
+    tfds.display_progress_bar(LOG_LEVELS[level] <= logging.INFO)
     handler = absl_logging.get_absl_handler()
     for old in [f for f in handler.filters if isinstance(f, ThirdPartyFilter)]:
         handler.removeFilter(old)
