@@ -1,6 +1,6 @@
 """Default: a deep, narrow model on the embedded corpus, sized for a laptop CPU.
 
-48 layers, d=64, 4 heads, d_ff=192, n=128: the defaults of ``postnorm/config/schema.py``.
+48 layers, d=64, 4 heads, d_ff=192, n=128: the defaults of ``postnorm/config/fields.py``.
 Variants: ``post`` (the default placement) and ``pre``. Example:
 ``--config configs/default.py:pre,lr=3e-3``.
 """

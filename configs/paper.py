@@ -90,7 +90,7 @@ def _width12(c: ml_collections.ConfigDict) -> None:
 
 def _width48(c: ml_collections.ConfigDict) -> None:
     """The paper's depth and width at n=128, batch 8, with the default config's training recipe
-    (``postnorm/config/schema.py``), logged and diagnosed as the default config is."""
+    (``postnorm/config/fields.py``), logged and diagnosed as the default config is."""
     _on_cpu(c, n_layers=48, seq_len=128, batch_size=8)
     recipe = base_config()
     for section, fields in (("opt", ("lr", "warmup_steps", "clip_norm")),

@@ -5,45 +5,35 @@ import json
 
 import ml_collections
 
+from postnorm.config.fields import FIELDS, RESUMABLE_SECTIONS, VERSIONS
+
 # Sections that choose how the process runs, not what it computes: left out of a run's
 # identity, so changing them (or a run recorded before they existed) is the same run.
 PROCESS_SECTIONS = ("runtime",)
 
-# Fields a resume may change: they set what is logged, evaluated, diagnosed and kept, what is
-# done about a non-finite step (finite steps are the same under every policy), where the
-# prepared data is stored, and how the same model is computed and laid out over the devices
-# (``mesh.*``), not the function any finite step computes. (A run recorded before one of them
-# existed resumes too.)
-RESUMABLE_FIELDS = ("train.log_every", "train.eval_every", "train.ckpt_every",
-                    "train.keep_ckpts", "diag.every", "diag.dense_every", "diag.dense_until",
-                    "train.nonfinite", "train.max_rollbacks",
-                    "train.rollback_lr_factor", "data.data_dir", "model.remat",
-                    "model.scan_unroll", "model.attention", "model.attention_block", "mesh.*")
 
-# Fields added with a default that computes what runs recorded before them computed: a record
-# without one of them matches a config that keeps its default. (Other fields absent from a
-# record are changes: their default then may not be what the run used.) Grouped by the change
-# that added them, oldest first, so that the config a run was recorded with can be rebuilt as
-# each earlier version wrote it (``earlier_versions``).
-FIELDS_ADDED = (
-    # the residual/norm arrangements and the architectural methods against collapse
-    ("model.qk_norm", "model.mixln_post_fraction", "model.b2t_rescaled_init",
-     "model.init_tsim_target", "model.init_tsim_input", "model.residual_budget",
-     "model.residual_budget_c", "model.residual_budget_weight", "model.adaptive_initial_mix",
-     "train.placement_controller", "train.placement_c_min", "train.placement_tsim_max",
-     "train.placement_rate_down", "train.placement_rate_up"),
-    # the training-time methods: objective terms, gradient repair, SGD, the early warning
-    ("opt.z_loss", "opt.diversity_weight", "opt.diversity_cap", "train.grad_repair",
-     "train.grad_repair_max", "train.grad_repair_threshold", "opt.optimizer", "opt.momentum",
-     "monitor.warn_persistence", "monitor.warn_loss_rtol", "monitor.action", "monitor.rollback",
-     "monitor.max_actions", "monitor.lr_factor", "monitor.layer_lr_factor",
-     "monitor.clip_norm", "monitor.clip_factor"),
-    # the diagnostic step's dense early phase
-    ("diag.dense_every", "diag.dense_until"),
-    # the adaptive placement's two-way signal (the default keeps the one-way signal of the runs
-    # recorded before it) and its fixed per-sublayer profile
-    ("train.placement_signal", "train.placement_gain_min", "model.adaptive_profile"),
-)
+def _resumable_fields() -> tuple[str, ...]:
+    """The declared ``resumable`` fields outside ``PROCESS_SECTIONS``, in the config's order,
+    those of a ``RESUMABLE_SECTIONS`` section as ``section.*``."""
+    paths = [f"{f.section}.*" if f.section in RESUMABLE_SECTIONS else f.path
+             for f in FIELDS if f.resumable and f.section not in PROCESS_SECTIONS]
+    return tuple(dict.fromkeys(paths))
+
+
+# Fields a resume may change (``Field.resumable``): they set what is logged, evaluated,
+# diagnosed and kept, what is done about a non-finite step (finite steps are the same under every
+# policy), where the prepared data is stored, and how the same model is computed and laid out
+# over the devices (``mesh.*``), not the function any finite step computes. (A run recorded
+# before one of them existed resumes too.)
+RESUMABLE_FIELDS = _resumable_fields()
+
+# Fields added with a default that computes what runs recorded before them computed
+# (``Field.added``): a record without one of them matches a config that keeps its default.
+# (Other fields absent from a record are changes: their default then may not be what the run
+# used.) Grouped by the version that added them (``fields.VERSIONS``), oldest first, so that the
+# config a run was recorded with can be rebuilt as each earlier version wrote it
+# (``earlier_versions``).
+FIELDS_ADDED = tuple(tuple(f.path for f in FIELDS if f.added == version) for version in VERSIONS)
 DEFAULTS_KEEP_EARLIER_RUNS = tuple(field for added in FIELDS_ADDED for field in added)
 
 

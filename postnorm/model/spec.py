@@ -5,6 +5,7 @@ import dataclasses
 import jax.numpy as jnp
 import ml_collections
 
+from postnorm.config.fields import DEFAULTS
 from postnorm.model.repair import GradRepair
 
 POSITION_SCHEMES = ("rope", "learned", "none")
@@ -13,7 +14,8 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """Everything the network needs; built from ``config.model`` plus data-derived sizes.
+    """Everything the network needs; built from ``config.model`` plus data-derived sizes: each
+    field named as a ``model.*`` field takes its value (``from_config``).
 
     ``attention`` is a kernel name, never ``auto``, which a config's programs resolve first
     (``postnorm.train.programs.resolve_attention``).
@@ -36,13 +38,14 @@ class ModelSpec:
     attention_block: int = 128
     remat: str = "none"
     scan_unroll: int = 1
-    qk_norm: bool = False
-    mixln_post_fraction: float = 0.25
-    adaptive_initial_mix: float = 1.0
-    adaptive_profile: str = ""  # lambda per sublayer at init (placements.profile_values)
-    b2t_rescaled_init: bool = False
-    residual_budget: str = "none"
-    residual_budget_c: float = 0.9
+    # the methods' model.* options (postnorm.config.fields.METHODS), their defaults declared there
+    qk_norm: bool = DEFAULTS["model.qk_norm"]
+    mixln_post_fraction: float = DEFAULTS["model.mixln_post_fraction"]
+    adaptive_initial_mix: float = DEFAULTS["model.adaptive_initial_mix"]
+    adaptive_profile: str = DEFAULTS["model.adaptive_profile"]  # placements.profile_values
+    b2t_rescaled_init: bool = DEFAULTS["model.b2t_rescaled_init"]
+    residual_budget: str = DEFAULTS["model.residual_budget"]
+    residual_budget_c: float = DEFAULTS["model.residual_budget_c"]
     # W_O's init gain, solved by the similarity-aware init (postnorm.model.similarity_init)
     # when model.init_tsim_target is set; not a config field
     attn_out_gain: float = 1.0

@@ -3,14 +3,13 @@
 Each failure raises ``ConfigError`` naming the field, its value and what is allowed.
 """
 
-import math
-from collections.abc import Callable
-
 import jax
 import ml_collections
 import numpy as np
 from absl import logging
 
+from postnorm.config.checks import Check, ChoiceInCode, Field
+from postnorm.config.fields import FIELDS
 from postnorm.config.schema import ConfigError, check_fields
 from postnorm.data import check_data_config
 from postnorm.kernels.build import register_attention_kernels
@@ -27,8 +26,6 @@ from postnorm.train.optim import MONITOR_ACTIONS, OPTIMIZERS
 from postnorm.train.placement_control import SIGNALS
 from postnorm.train.state import NONFINITE_POLICIES
 
-SCHEDULES = ("cosine", "constant")
-
 
 def _get(config: ml_collections.ConfigDict, path: str):
     node = config
@@ -39,63 +36,45 @@ def _get(config: ml_collections.ConfigDict, path: str):
     return node
 
 
-def _require(config, path: str, ok: Callable[[object], bool], allowed: str) -> None:
-    value = _get(config, path)
-    if not ok(value):
-        finite = "finite and " if isinstance(value, float) and not math.isfinite(value) else ""
-        raise ConfigError(f"{path}={value!r} is invalid: must be {finite}{allowed}")
+# The choices of the fields declared ``one_of_code``, defined by the code that implements them.
+CHOICES = {
+    "model.norm": tuple(PLACEMENTS),
+    "model.positions": POSITION_SCHEMES,
+    "model.init": INIT_SCHEMES,
+    "model.dtype": tuple(DTYPES),
+    "model.attention": (AUTO, *ATTENTION_KERNELS),
+    "model.remat": tuple(REMAT_POLICIES),
+    "model.residual_budget": BUDGET_MODES,
+    "opt.optimizer": OPTIMIZERS,
+    "train.nonfinite": NONFINITE_POLICIES,
+    "train.placement_signal": SIGNALS,
+    "monitor.action": MONITOR_ACTIONS,
+    "runtime.allocator": ALLOCATORS,
+    "runtime.log_level": tuple(LOG_LEVELS),
+}
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def declared_check(field: Field) -> Check | None:
+    """The rule ``field`` declares, its choices from ``CHOICES`` where the code defines them."""
+    if isinstance(field.check, ChoiceInCode):
+        return field.check.bind(CHOICES[field.path])
+    return field.check
 
 
-def _is_num(v) -> bool:
-    """A finite int or float (not a bool)."""
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        return False
-    return isinstance(v, int) or math.isfinite(v)
-
-
-def _positive_int(config, path: str) -> None:
-    _require(config, path, lambda v: _is_int(v) and v >= 1, "an integer >= 1")
-
-
-def _one_of(config, path: str, choices: tuple[str, ...]) -> None:
-    _require(config, path, lambda v: v in choices, f"one of {list(choices)}")
+def _check_declared(config: ml_collections.ConfigDict, *sections: str) -> None:
+    """Each field of ``sections`` ('' for the top-level ones) against its declared rule."""
+    for field in FIELDS:
+        check = declared_check(field) if field.section in sections else None
+        if check and (problem := check.problem(field.path, _get(config, field.path))):
+            raise ConfigError(problem)
 
 
 def check_model(config: ml_collections.ConfigDict) -> None:
-    for path in ("model.n_layers", "model.d_model", "model.n_heads", "model.d_ff"):
-        _positive_int(config, path)
-    _one_of(config, "model.norm", tuple(PLACEMENTS))
-    _one_of(config, "model.positions", POSITION_SCHEMES)
-    _one_of(config, "model.init", INIT_SCHEMES)
-    _one_of(config, "model.dtype", tuple(DTYPES))
-    _one_of(config, "model.attention", (AUTO, *ATTENTION_KERNELS))
-    _positive_int(config, "model.attention_block")
-    _positive_int(config, "model.scan_unroll")
-    _one_of(config, "model.remat", tuple(REMAT_POLICIES))
-    _require(config, "model.tie_embeddings", lambda v: isinstance(v, bool), "true or false")
-    _require(config, "model.norm_eps", lambda v: _is_num(v) and 0 <= v < 1, "in [0, 1)")
-    _require(config, "model.rope_base", lambda v: _is_num(v) and v > 1, "a number > 1")
-    _require(config, "model.qk_norm", lambda v: isinstance(v, bool), "true or false")
-    _require(config, "model.mixln_post_fraction", lambda v: _is_num(v) and 0 <= v <= 1,
-             "in [0, 1]")
-    _require(config, "model.b2t_rescaled_init", lambda v: isinstance(v, bool), "true or false")
-    _require(config, "model.adaptive_initial_mix", lambda v: _is_num(v) and 0 <= v <= 1,
-             "in [0, 1]")
+    _check_declared(config, "model")
     _check_adaptive_profile(config)
     if config.model.b2t_rescaled_init and config.model.norm != "b2t":
         raise ConfigError(f"model.b2t_rescaled_init=True is an option of model.norm='b2t', not "
                           f"of {config.model.norm!r}: set it False or model.norm='b2t'")
-    _require(config, "model.init_tsim_target", lambda v: _is_num(v) and 0 <= v < 1,
-             "in [0, 1) (0 disables the similarity-aware init)")
-    _require(config, "model.init_tsim_input", lambda v: _is_num(v) and 0 <= v < 1, "in [0, 1)")
-    _one_of(config, "model.residual_budget", BUDGET_MODES)
-    _require(config, "model.residual_budget_c", lambda v: _is_num(v) and 0 < v <= 1, "in (0, 1]")
-    _require(config, "model.residual_budget_weight", lambda v: _is_num(v) and v >= 0,
-             "a number >= 0")
     budget, norm = config.model.residual_budget, config.model.norm
     if budget != "none" and not PLACEMENTS[norm].budgetable:
         raise ConfigError(f"model.residual_budget={budget!r} bounds the contraction c of the norm "
@@ -138,8 +117,6 @@ def check_model(config: ml_collections.ConfigDict) -> None:
 def _check_adaptive_profile(config: ml_collections.ConfigDict) -> None:
     """``model.adaptive_profile``: '' or 2 n_layers values in [0, 1], of ``model.norm=adaptive``
     alone, which then replace ``model.adaptive_initial_mix`` (left at its default)."""
-    _require(config, "model.adaptive_profile", lambda v: isinstance(v, str),
-             "a text of numbers separated by spaces, or ''")
     text = config.model.adaptive_profile
     if not text:
         return
@@ -158,61 +135,11 @@ def _check_adaptive_profile(config: ml_collections.ConfigDict) -> None:
 
 
 def check_opt(config: ml_collections.ConfigDict) -> None:
-    _one_of(config, "opt.optimizer", OPTIMIZERS)
-    _require(config, "opt.momentum", lambda v: _is_num(v) and 0 <= v < 1, "in [0, 1)")
-    _require(config, "opt.lr", lambda v: _is_num(v) and v > 0, "a number > 0")
-    _one_of(config, "opt.schedule", SCHEDULES)
-    _require(config, "opt.warmup_steps", lambda v: _is_int(v) and v >= 0, "an integer >= 0")
-    _require(config, "opt.min_lr_ratio", lambda v: _is_num(v) and 0 <= v <= 1, "in [0, 1]")
-    for path in ("opt.b1", "opt.b2"):
-        _require(config, path, lambda v: _is_num(v) and 0 <= v < 1, "in [0, 1)")
-    _require(config, "opt.eps", lambda v: _is_num(v) and v > 0, "a number > 0")
-    _require(config, "opt.weight_decay", lambda v: _is_num(v) and v >= 0, "a number >= 0")
-    _require(config, "opt.clip_norm", lambda v: _is_num(v) and v >= 0,
-             "a number >= 0 (0 disables clipping)")
-    _require(config, "opt.decay_norms_and_embeddings", lambda v: isinstance(v, bool),
-             "true or false")
-    for path in ("opt.z_loss", "opt.diversity_weight"):
-        _require(config, path, lambda v: _is_num(v) and v >= 0, "a number >= 0 (0 disables it)")
-    _require(config, "opt.diversity_cap", lambda v: _is_num(v) and v > 0, "a number > 0")
+    _check_declared(config, "opt")
 
 
 def check_train(config: ml_collections.ConfigDict) -> None:
-    for path in ("train.steps", "train.log_every", "train.eval_every", "train.eval_batches",
-                 "train.ckpt_every", "train.keep_ckpts", "train.max_rollbacks", "diag.every",
-                 "diag.dense_every"):
-        _positive_int(config, path)
-    _require(config, "diag.dense_until", lambda v: _is_int(v) and v >= 0,
-             "an integer >= 0 (0: no dense phase)")
-    _one_of(config, "train.nonfinite", NONFINITE_POLICIES)
-    _require(config, "train.rollback_lr_factor", lambda v: _is_num(v) and 0 < v < 1,
-             "a number in (0, 1)")
-    _require(config, "train.placement_controller", lambda v: isinstance(v, bool),
-             "true or false")
-    _one_of(config, "train.placement_signal", SIGNALS)
-    _require(config, "train.placement_c_min", lambda v: _is_num(v) and 0 < v <= 1, "in (0, 1]")
-    _require(config, "train.placement_gain_min", lambda v: _is_num(v) and 0 < v <= 1,
-             "in (0, 1] (a Pre-Norm sublayer's backward gain is about 1)")
-    _require(config, "train.placement_tsim_max", lambda v: _is_num(v) and 0 < v <= 1,
-             "in (0, 1]")
-    for path in ("train.placement_rate_down", "train.placement_rate_up"):
-        _require(config, path, lambda v: _is_num(v) and 0 <= v <= 1, "in [0, 1]")
-    _require(config, "train.grad_repair", lambda v: isinstance(v, bool), "true or false")
-    _require(config, "train.grad_repair_max", lambda v: _is_num(v) and v >= 1,
-             "a number >= 1 (the most the factors may multiply to over the stack)")
-    _require(config, "train.grad_repair_threshold", lambda v: _is_num(v) and 0 < v <= 1,
-             "in (0, 1] (the contraction c under which a token is repaired)")
-    _positive_int(config, "monitor.warn_persistence")
-    _require(config, "monitor.warn_loss_rtol", lambda v: _is_num(v) and v > 0, "a number > 0")
-    _one_of(config, "monitor.action", MONITOR_ACTIONS)
-    _require(config, "monitor.rollback", lambda v: isinstance(v, bool), "true or false")
-    _positive_int(config, "monitor.max_actions")
-    for path in ("monitor.lr_factor", "monitor.clip_factor"):
-        _require(config, path, lambda v: _is_num(v) and 0 < v <= 1, "in (0, 1]")
-    for path in ("monitor.layer_lr_factor", "monitor.clip_norm"):
-        _require(config, path, lambda v: _is_num(v) and v > 0, "a number > 0")
-    # the data pipeline's shuffle seeds (seed + epoch) must fit in 32 bits
-    _require(config, "seed", lambda v: _is_int(v) and 0 <= v < 2**31, "an integer in [0, 2**31)")
+    _check_declared(config, "train", "diag", "monitor", "")
 
 
 def warn_about_the_schedule(config: ml_collections.ConfigDict) -> None:
@@ -229,10 +156,7 @@ def warn_about_the_schedule(config: ml_collections.ConfigDict) -> None:
 def check_layout(config: ml_collections.ConfigDict, *, device_count: int,
                  process_count: int) -> None:
     """Mesh shape against the devices, and batch divisibility over the mesh and processes."""
-    for path in ("mesh.fsdp", "mesh.tensor"):
-        _positive_int(config, path)
-    _require(config, "mesh.data", lambda v: _is_int(v) and (v >= 1 or v == -1),
-             "an integer >= 1, or -1 to use every remaining device")
+    _check_declared(config, "mesh")
     try:
         data, fsdp, tensor = mesh_shape(config.mesh, device_count)
     except ValueError as err:
@@ -245,7 +169,7 @@ def check_layout(config: ml_collections.ConfigDict, *, device_count: int,
         if size % ways:
             raise ConfigError(f"{field}={size} must be divisible by {axis}={ways}, which "
                               "splits it across devices")
-    _positive_int(config, "data.batch_size")
+    _check_declared(config, "data")  # data.batch_size: the rest are postnorm.data's
     batch = config.data.batch_size
     if batch % (data * fsdp):
         raise ConfigError(f"data.batch_size={batch} must be divisible by mesh data x fsdp = "
@@ -284,13 +208,7 @@ def check_runtime(config: ml_collections.ConfigDict) -> None:
     level (``postnorm.runtime.console``), the compilation cache
     directory (``postnorm.runtime.compilation_cache``) and the XLA compile options' syntax
     (``postnorm.runtime.xla_options``; whether XLA knows them is checked before compiling)."""
-    _one_of(config, "runtime.allocator", ALLOCATORS)
-    _one_of(config, "runtime.log_level", tuple(LOG_LEVELS))
-    _require(config, "runtime.compilation_cache_dir", lambda v: isinstance(v, str),
-             "a directory path, or '' for no cache")
-    _require(config, "runtime.xla_options", lambda v: isinstance(v, str),
-             "a string of XLA compile options (name=value, separated by spaces), or '' for "
-             "XLA's defaults")
+    _check_declared(config, "runtime")
     try:
         parse_xla_options(config.runtime.xla_options)
     except XlaOptionsError as err:

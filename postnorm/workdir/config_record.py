@@ -4,6 +4,7 @@ import json
 
 import ml_collections
 
+from postnorm.config.fields import SECTIONS
 from postnorm.config.identity import (
     DEFAULTS_KEEP_EARLIER_RUNS,
     EVAL_FREE_FIELDS,
@@ -14,7 +15,7 @@ from postnorm.config.identity import (
     flatten_fields,
     matches,
 )
-from postnorm.config.schema import SECTIONS, base_config
+from postnorm.config.schema import base_config
 from postnorm.files import write_json_atomic
 from postnorm.workdir.layout import Workdir, WorkdirError, latest_checkpoint_step
 
