@@ -1,6 +1,7 @@
 """The collapse forecast: its theory inputs against a Monte Carlo forward pass, its schedule
-input against the schedule's formula, its fit, determinism and CLI, and the committed
-validation's scores recomputed independently."""
+input against the schedule's formula, its fit (the logistic optimum, Platt's map against scipy,
+the nested cross-validation against a plain re-implementation, no peeking at held-out labels),
+determinism and CLI, and the committed validation's scores recomputed independently."""
 
 import json
 import math
@@ -9,8 +10,10 @@ import sys
 
 import numpy as np
 import pytest
+from scipy.optimize import minimize
 from scipy.stats import rankdata
 
+from experiments.forecast_validation import archived_rows
 from postnorm.analysis import forecast as fc
 from postnorm.analysis.collapse import half_alike_step
 from postnorm.config.schema import base_config
@@ -116,10 +119,109 @@ def test_the_onset_is_the_rules_similar_layers_step_on_every_archived_run():
             collapse["similar_layers_step"]
 
 
+def _synthetic(groups: int = 5, per_group: int = 10, seed: int = 3):
+    """Rows in groups whose outcomes depend on the inputs and on a per-group shift."""
+    rng = np.random.default_rng(seed)
+    x_NxF = rng.normal(size=(groups * per_group, 3))
+    shift_N = np.repeat(rng.normal(0, 1.5, groups), per_group)
+    y_N = (x_NxF @ [1.5, -1.0, 0.0] + shift_N + rng.logistic(size=len(x_NxF))) > 0
+    names = [f"g{i}" for i in range(groups)]
+    return x_NxF, y_N.astype(float), list(np.repeat(names, per_group)), ("a", "b", "c")
+
+
+def _nll(params, s_N, y_N):
+    z_N = params[0] * s_N + params[1]
+    return np.sum(np.logaddexp(0, z_N) - y_N * z_N)
+
+
+def test_platts_map_is_the_likelihood_optimum_and_folds_into_the_weights():
+    rng = np.random.default_rng(4)
+    s_N = rng.normal(0, 3, 200)
+    y_N = (rng.random(200) < 1 / (1 + np.exp(-(0.4 * s_N - 0.5)))).astype(float)
+    a, b = fc.fit_platt(s_N, y_N)
+    reference = minimize(_nll, [1.0, 0.0], args=(s_N, y_N), method="Nelder-Mead",
+                         options={"xatol": 1e-10, "fatol": 1e-12, "maxiter": 10000})
+    np.testing.assert_allclose([a, b], reference.x, atol=1e-5)
+    model = fc.fit_logistic(rng.normal(size=(200, 2)), y_N, ("u", "v"))
+    x_NxF = rng.normal(size=(7, 2))
+    np.testing.assert_allclose(fc.probability(model.recalibrated(a, b), x_NxF),
+                               1 / (1 + np.exp(-(a * model.score(x_NxF) + b))), rtol=1e-12)
+
+
+def _plain_variant(x_NxF, y_N, groups_N, train_N, variant):
+    """fit_variant without memoisation or shared code: loops over the inner groups, scipy's
+    Platt map; returns the fitted (Linear, a, b)."""
+    inner_l2, platt = fc.VARIANTS[variant]
+    inner = sorted(set(groups_N[train_N]))
+    y_M = y_N[train_N]
+
+    def inner_scores(l2):
+        s_N = np.zeros(len(y_N))
+        for g in inner:
+            fit_N, held_N = train_N & (groups_N != g), train_N & (groups_N == g)
+            s_N[held_N] = fc.fit_logistic(x_NxF[fit_N], y_N[fit_N], "abc", l2).score(
+                x_NxF[held_N])
+        return s_N[train_N]
+
+    usable = len(inner) >= 2 and 0 < y_M.sum() < len(y_M)
+    l2 = fc.L2
+    if inner_l2 and usable:
+        l2 = min(fc.L2_GRID, key=lambda v: np.mean((1 / (1 + np.exp(-inner_scores(v))) - y_M)
+                                                   ** 2))
+    a, b = 1.0, 0.0
+    if platt and usable:
+        a, b = minimize(_nll, [1.0, 0.0], args=(inner_scores(l2), y_M), method="Nelder-Mead",
+                        options={"xatol": 1e-10, "fatol": 1e-12, "maxiter": 10000}).x
+    return fc.fit_logistic(x_NxF[train_N], y_N[train_N], "abc", l2), a, b
+
+
+def test_the_nested_selection_matches_a_plain_reimplementation():
+    x_NxF, y_N, groups, names = _synthetic()
+    groups_N = np.array(groups)
+    folds = fc.Folds(x_NxF, y_N, [{("inner", g)} for g in groups], names)
+    model, info = fc.fit_selected(folds)
+    everything_N = np.ones(len(y_N), bool)
+    for variant, reported in info["inner_brier"].items():
+        p_N = np.zeros(len(y_N))
+        for g in sorted(set(groups)):
+            linear, a, b = _plain_variant(x_NxF, y_N, groups_N, groups_N != g, variant)
+            held_N = groups_N == g
+            p_N[held_N] = 1 / (1 + np.exp(-(a * linear.score(x_NxF[held_N]) + b)))
+        assert reported == pytest.approx(np.mean((p_N - y_N) ** 2), abs=1e-7), variant
+    linear, a, b = _plain_variant(x_NxF, y_N, groups_N, everything_N, info["variant"])
+    assert info["variant"] == min(info["inner_brier"], key=info["inner_brier"].get)
+    np.testing.assert_allclose(fc.probability(model, x_NxF),
+                               1 / (1 + np.exp(-(a * linear.score(x_NxF) + b))), atol=1e-6)
+
+
+@pytest.mark.parametrize("outer_is_inner", [True, False])
+def test_a_held_out_probability_never_sees_its_own_label(outer_is_inner):
+    x_NxF, y_N, groups, names = _synthetic(groups=6, per_group=8)
+    outer = groups if outer_is_inner else [i % 3 for i in range(len(groups))]
+    p_N, p_VxN, _ = fc.held_out(x_NxF, y_N, outer, groups, names)
+    for run in (0, 13, 47):
+        flipped_N = y_N.copy()
+        flipped_N[run] = 1 - flipped_N[run]
+        q_N, q_VxN, _ = fc.held_out(x_NxF, flipped_N, outer, groups, names)
+        assert q_N[run] == p_N[run]
+        assert all(q_VxN[v][run] == p_VxN[v][run] for v in fc.VARIANTS)
+        others_N = np.array(outer) != outer[run]
+        assert np.any(q_N[others_N] != p_N[others_N])  # the label is used where it may be
+
+
+def test_the_fit_reads_methods_as_labels_only():
+    x_NxF, y_N, groups, names = _synthetic()
+    renamed = {g: f"zz_{i}" for i, g in enumerate(reversed(sorted(set(groups))))}
+    fits = [fc.fit_selected(fc.Folds(x_NxF, y_N, [{("inner", m)} for m in labels], names))
+            for labels in (groups, [renamed[g] for g in groups])]
+    assert fits[0] == fits[1]
+
+
 def test_the_committed_model_is_the_fit_on_the_archive():
-    rows = [r for r in map(fc.archive_row, read_archive(str(ARCHIVE))) if r is not None]
+    rows, skipped = archived_rows([str(ARCHIVE)])
+    assert not skipped
     committed = json.loads((FORECAST_DIR / "model.json").read_text())
-    assert_json_matches(fc.fit_forecast(rows), committed)
+    assert_json_matches(fc.fit_forecast(rows, [r["method"] for r in rows]), committed)
 
 
 def _independent_auc(y, p) -> float:
@@ -173,6 +275,23 @@ def test_the_cli_writes_exactly_the_four_keys_and_the_same_forecast_twice(tmp_pa
     assert "p_collapse" in result.stdout
 
 
+@pytest.mark.parametrize("args,flags", [
+    ("model.norm=admin", {}),
+    ("model.init=xavier_normal,model.norm=deepnorm", {}),
+    ("model.norm=adaptive,train.placement_signal=two_way",
+     {"placement_controller": 1.0, "placement_two_way": 1.0}),
+    ("model.norm=adaptive,train.placement_controller=False,model.adaptive_profile="
+     + " ".join(["1 0.5"] * 12), {"placement_controller": 0.0})])
+def test_the_cli_forecasts_the_new_arrangements(tmp_path, args, flags):
+    result = run_forecast("--config", f"configs/default.py:layers=12,{args}", "--json",
+                          str(tmp_path / "f.json"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    inputs = json.loads((tmp_path / "f.json").read_text())["inputs"]
+    assert all(math.isfinite(e["value"]) and math.isfinite(e["log_odds"])
+               for e in inputs.values())
+    assert {n: inputs[n]["value"] for n in flags} == flags
+
+
 def test_the_cli_refuses_an_unknown_field_in_one_line(tmp_path):
     result = run_forecast("--config", "configs/default.py:model.bogus=1", "--json",
                           str(tmp_path / "f.json"))
@@ -181,18 +300,29 @@ def test_the_cli_refuses_an_unknown_field_in_one_line(tmp_path):
     assert "Traceback" not in result.stderr and not (tmp_path / "f.json").exists()
 
 
-def test_the_docs_table_is_the_committed_validation():
+def _doc_table(text: str, header: str) -> dict[str, list[str]]:
+    """The markdown table under ``header`` (its first cells) as first cell -> the others."""
+    lines = text.split(header, 1)[1].splitlines()[2:]
+    block = lines[:next((i for i, line in enumerate(lines) if not line.startswith("|")),
+                        len(lines))]
+    return {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in block}
+
+
+def test_the_committed_validation_tables_are_its_json_and_the_docs_cite_them():
+    """validation.md's score tables, per scheme, are validation.json's numbers (FORECAST.md
+    cites the file and retypes none of them)."""
     report = json.loads((FORECAST_DIR / "validation.json").read_text())
-    text = (REPO / "docs" / "FORECAST.md").read_text()
-    schemes = ("leave one method out", "leave one depth out")
-    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:6]]
-            for line in text.split("| forecast | AUC", 1)[1].splitlines()[2:]
-            if line.startswith("|")}
-    assert set(rows) == set(report["schemes"][schemes[0]]["collapse"])
-    for name, cells in rows.items():
-        want = [f"{report['schemes'][s]['collapse'][name][k]:.3f}" for s in schemes
-                for k in ("auc", "brier")]
-        assert cells == want, name
-    onset = report["schemes"][schemes[0]]["onset"]
-    assert (f"on {onset['within_one_interval']} of the {onset['collapsing_runs']} collapsing "
-            "runs") in " ".join(text.split())
+    text = (FORECAST_DIR / "validation.md").read_text()
+    sections = {"leave one method out": text.split("## Leave one method out", 1)[1]
+                .split("## Leave one depth out", 1)[0],
+                "leave one depth out": text.split("## Leave one depth out", 1)[1]}
+    for scheme, section in sections.items():
+        rows = _doc_table(section, "| forecast | AUC")
+        collapse = report["schemes"][scheme]["collapse"]
+        assert set(rows) == set(collapse)
+        for name, cells in rows.items():
+            assert cells[:2] == [f"{collapse[name]['auc']:.3f}",
+                                 f"{collapse[name]['brier']:.3f}"], (scheme, name)
+    doc = (REPO / "docs" / "FORECAST.md").read_text()
+    assert "(figures/forecast/validation.md)" in doc

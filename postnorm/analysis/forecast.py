@@ -1,5 +1,6 @@
 """The collapse forecast before training (docs/FORECAST.md): inputs from the theory at init and
-the config, small L2 logistic and ridge models fitted on archived runs, and their scores.
+the config, small L2 logistic and ridge models fitted on archived runs by a nested
+cross-validation (``fit_selected``), and their scores.
 
 Inputs, never outcomes (``step0_inputs``):
 
@@ -14,7 +15,9 @@ Inputs, never outcomes (``step0_inputs``):
 * ``log2_layers``, ``log_lr``, ``warmup_fraction``;
 * the training-time methods, which the theory at init cannot see, as config flags:
   ``qk_norm``, ``grad_repair``, ``z_loss``, ``diversity``, ``monitor_action``,
-  ``residual_budget``, ``placement_controller``.
+  ``residual_budget``, ``placement_controller`` (the adaptive placement's lambda moves during
+  training, either signal) and ``placement_two_way`` (its signal is ``two_way``). A fixed
+  lambda profile (``model.adaptive_profile``) is no flag: the theory reads it.
 
 The onset step is ``half_alike_step`` (``postnorm.analysis.collapse``), the first diagnostic
 step with half the layers alike.
@@ -44,13 +47,13 @@ MODEL_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 THEORY = ("tsim_max", "tsim_mean", "log_skip_gain", "log_erase_fraction")
 SCHEDULE = ("log2_layers", "log_lr", "warmup_fraction")
 TRAINING_FLAGS = ("qk_norm", "grad_repair", "z_loss", "diversity", "monitor_action",
-                  "residual_budget", "placement_controller")
+                  "residual_budget", "placement_controller", "placement_two_way")
 STEP0 = THEORY + SCHEDULE + TRAINING_FLAGS
 EARLY = STEP0 + ("alike_fraction_early",)  # + the diagnostics of the first EARLY_STEPS steps
 BASELINE = ("log2_layers", "log_lr")
 EARLY_STEPS = 30
 FLOOR_RATIO = 0.95  # "at the floor": loss on fresh batches >= 0.95 x L_freq
-L2 = 1.0  # the penalty 1/2 L2 |w|^2 on the standardised features' weights, fixed beforehand
+L2 = 1.0  # the penalty 1/2 L2 |w|^2 on the standardised weights: the onset's, the "fixed" variant's
 
 
 class ForecastError(UserError, ValueError):
@@ -125,7 +128,7 @@ def step0_inputs(data: dict | ml_collections.ConfigDict) -> dict[str, float]:
     trace = _init_trace(spec, float(config.model.init_tsim_input))
     steps = int(config.train.steps)
     erase = min(erase_step(config.opt, steps, init_scale(spec, name)) for name in ("w_v", "w_o"))
-    adaptive = spec.norm == "adaptive"
+    controller = spec.norm == "adaptive" and bool(config.train.placement_controller)
     return {
         "tsim_max": float(trace.tsim_after.max()),
         "tsim_mean": float(trace.tsim_in.mean()),
@@ -140,7 +143,8 @@ def step0_inputs(data: dict | ml_collections.ConfigDict) -> dict[str, float]:
         "diversity": float(config.opt.diversity_weight > 0),
         "monitor_action": float(config.monitor.action != "none"),
         "residual_budget": float(spec.residual_budget != "none"),
-        "placement_controller": float(adaptive and bool(config.train.placement_controller)),
+        "placement_controller": float(controller),
+        "placement_two_way": float(controller and config.train.placement_signal == "two_way"),
     }
 
 
@@ -166,6 +170,11 @@ class Linear:
     def score(self, x_NxF: np.ndarray) -> np.ndarray:
         z_NxF = (np.asarray(x_NxF, np.float64) - np.array(self.mean)) / np.array(self.scale)
         return z_NxF @ np.array(self.weights) + self.bias
+
+    def recalibrated(self, a: float, b: float) -> "Linear":
+        """The score a s + b (Platt's map folded into the weights)."""
+        return dataclasses.replace(self, weights=tuple(a * w for w in self.weights),
+                                   bias=a * self.bias + b)
 
     def contributions(self, x_F: np.ndarray) -> dict[str, float]:
         z_F = (np.asarray(x_F, np.float64) - np.array(self.mean)) / np.array(self.scale)
@@ -196,9 +205,16 @@ def fit_logistic(x_NxF: np.ndarray, y_N: np.ndarray, names: tuple[str, ...],
     z_NxF = np.hstack([(x_NxF - mean_F) / scale_F, np.ones((len(y_N), 1))])
     penalty_F = np.full(z_NxF.shape[1], l2)
     penalty_F[-1] = 0.0
+    w_F = _newton_logistic(z_NxF, y_N, penalty_F)
+    return Linear(names, tuple(mean_F.tolist()), tuple(scale_F.tolist()),
+                  tuple(w_F[:-1].tolist()), float(w_F[-1]))
+
+
+def _newton_logistic(z_NxF: np.ndarray, y_N: np.ndarray, penalty_F: np.ndarray) -> np.ndarray:
+    """The weights minimising the logistic loss of y on z plus 1/2 sum penalty w^2."""
     w_F = np.zeros(z_NxF.shape[1])
     for _ in range(100):
-        p_N = 1.0 / (1.0 + np.exp(-(z_NxF @ w_F)))
+        p_N = _sigmoid(z_NxF @ w_F)
         grad_F = z_NxF.T @ (p_N - y_N) + penalty_F * w_F
         hess_FxF = (z_NxF.T * (p_N * (1 - p_N))) @ z_NxF + np.diag(penalty_F) + 1e-9 * np.eye(
             len(w_F))
@@ -206,8 +222,19 @@ def fit_logistic(x_NxF: np.ndarray, y_N: np.ndarray, names: tuple[str, ...],
         w_F = w_F - step_F
         if np.max(np.abs(step_F)) < 1e-10:
             break
-    return Linear(names, tuple(mean_F.tolist()), tuple(scale_F.tolist()),
-                  tuple(w_F[:-1].tolist()), float(w_F[-1]))
+    return w_F
+
+
+def _sigmoid(s_N: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * np.asarray(s_N, np.float64)))  # no overflow
+
+
+def fit_platt(score_N: np.ndarray, y_N: np.ndarray) -> tuple[float, float]:
+    """Platt's recalibration of held-out log-odds s: the (a, b) maximising the likelihood of
+    y under sigmoid(a s + b), unpenalised, by Newton's method."""
+    z_Nx2 = np.stack([np.asarray(score_N, np.float64), np.ones(len(score_N))], axis=1)
+    a, b = _newton_logistic(z_Nx2, np.asarray(y_N, np.float64), np.zeros(2))
+    return float(a), float(b)
 
 
 def fit_ridge(x_NxF: np.ndarray, y_N: np.ndarray, names: tuple[str, ...],
@@ -223,7 +250,106 @@ def fit_ridge(x_NxF: np.ndarray, y_N: np.ndarray, names: tuple[str, ...],
 
 
 def probability(model: Linear, x_NxF: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-model.score(x_NxF)))
+    return _sigmoid(model.score(x_NxF))
+
+
+# the fitting procedure: nested cross-validation inside the training runs ----------------------
+
+L2_GRID = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0)
+# each variant: (penalty chosen by inner cross-validation from L2_GRID, else L2; Platt's map
+# fitted on the inner held-out log-odds). The rule, fixed before any outer-fold score was seen:
+# on every training set the forecast fits the variant whose inner leave-one-method-out Brier
+# score is lowest (ties: the first listed), every fitted quantity refitted inside each inner fold
+VARIANTS = {"fixed": (False, False), "inner_l2": (True, False), "platt": (False, True),
+            "inner_l2_platt": (True, True)}
+
+
+class Folds:
+    """Logistic fits of ``y_N`` on ``x_NxF`` over the rows outside sets of groups, memoised by
+    their rows, for the nested cross-validation. ``tags_N``: each row's groups as (kind, value)
+    pairs; an inner fold leaves out one group of kind ``inner`` (the run's method)."""
+
+    def __init__(self, x_NxF: np.ndarray, y_N, tags_N: list[set], names: tuple[str, ...],
+                 inner: str = "inner"):
+        self.x_NxF, self.y_N = np.asarray(x_NxF, np.float64), np.asarray(y_N, np.float64)
+        self.names, self.inner = names, inner
+        self._members = {tag: np.array([tag in tags for tags in tags_N])
+                         for tag in sorted({t for tags in tags_N for t in tags}, key=str)}
+        self._fits: dict = {}
+        self._scores: dict = {}
+
+    def members(self, tag: tuple) -> np.ndarray:
+        return self._members[tag]
+
+    def train(self, excluded: frozenset) -> np.ndarray:
+        """The indices of the rows with none of the ``excluded`` tags."""
+        out_N = np.zeros(len(self.y_N), bool)
+        for tag in excluded:
+            out_N |= self._members[tag]
+        return np.flatnonzero(~out_N)
+
+    def inner_groups(self, excluded: frozenset) -> list[tuple]:
+        train_M = self.train(excluded)
+        return [t for t, m in self._members.items() if t[0] == self.inner and m[train_M].any()]
+
+    def fit(self, excluded: frozenset, l2: float) -> Linear:
+        train_M = self.train(excluded)
+        key = (train_M.tobytes(), l2)
+        if key not in self._fits:
+            self._fits[key] = fit_logistic(self.x_NxF[train_M], self.y_N[train_M], self.names,
+                                           l2)
+        return self._fits[key]
+
+    def inner_scores(self, excluded: frozenset, l2: float) -> np.ndarray:
+        """The log-odds of each training row (in ``train`` order) from the fit on the training
+        rows outside its inner group."""
+        train_M = self.train(excluded)
+        key = (train_M.tobytes(), l2)
+        if key not in self._scores:
+            s_M = np.zeros(len(train_M))
+            for group in self.inner_groups(excluded):
+                held_M = self._members[group][train_M]
+                s_M[held_M] = self.fit(excluded | {group}, l2).score(self.x_NxF[train_M[held_M]])
+            self._scores[key] = s_M
+        return self._scores[key]
+
+
+def fit_variant(folds: Folds, excluded: frozenset, variant: str) -> tuple[Linear, dict]:
+    """``variant`` fitted on the rows outside ``excluded``: the penalty (``L2``, or the grid's
+    with the lowest inner Brier), then Platt's map on the inner held-out log-odds folded into
+    the weights. Without two inner groups and both outcomes there is no inner fold: ``L2``, no
+    map."""
+    inner_l2, platt = VARIANTS[variant]
+    y_M = folds.y_N[folds.train(excluded)]
+    inner = len(folds.inner_groups(excluded)) >= 2 and 0 < y_M.sum() < len(y_M)
+    l2 = L2
+    if inner_l2 and inner:
+        l2 = min(L2_GRID, key=lambda v: brier(y_M, _sigmoid(folds.inner_scores(excluded, v))))
+    a, b = fit_platt(folds.inner_scores(excluded, l2), y_M) if platt and inner else (1.0, 0.0)
+    return folds.fit(excluded, l2).recalibrated(a, b), {"variant": variant, "l2": l2,
+                                                        "platt": [a, b]}
+
+
+def inner_brier(folds: Folds, excluded: frozenset, variant: str) -> float:
+    """The Brier score over the rows outside ``excluded`` of ``variant`` fitted (every fitted
+    quantity included) without each row's inner group."""
+    train_M = folds.train(excluded)
+    p_M = np.zeros(len(train_M))
+    for group in folds.inner_groups(excluded):
+        held_M = folds.members(group)[train_M]
+        model, _ = fit_variant(folds, excluded | {group}, variant)
+        p_M[held_M] = probability(model, folds.x_NxF[train_M[held_M]])
+    return brier(folds.y_N[train_M], p_M)
+
+
+def fit_selected(folds: Folds, excluded: frozenset = frozenset()) -> tuple[Linear, dict]:
+    """The forecast's procedure on the rows outside ``excluded``: the variant with the lowest
+    ``inner_brier`` (``VARIANTS``' rule), fitted; ``fixed`` where there are no inner folds."""
+    if len(folds.inner_groups(excluded)) < 2:
+        return fit_variant(folds, excluded, "fixed")
+    briers = {v: inner_brier(folds, excluded, v) for v in VARIANTS}
+    model, info = fit_variant(folds, excluded, min(VARIANTS, key=briers.__getitem__))
+    return model, info | {"inner_brier": briers}
 
 
 def snap_to_interval(step: float, every: int) -> int:
@@ -263,17 +389,22 @@ def design(rows: list[dict], names: tuple[str, ...]) -> np.ndarray:
 
 # the forecast ---------------------------------------------------------------------------------
 
-def fit_forecast(rows: list[dict]) -> dict:
-    """The three step-0 models fitted on archived rows (each with ``inputs``): collapse and
-    floor (logistic) and the onset step's log on the collapsing runs (ridge)."""
+def fit_forecast(rows: list[dict], groups: list[object]) -> dict:
+    """The three step-0 models fitted on archived rows (each with ``inputs``; ``groups``: each
+    row's method, the inner folds): collapse and floor (logistic, by ``fit_selected``) and the
+    onset step's log on the collapsing runs (ridge, penalty ``L2``)."""
     x_NxF = design(rows, STEP0)
     collapsing = [i for i, r in enumerate(rows) if r["collapsed"]]
     onsets = np.log([rows[i]["onset_step"] for i in collapsing])
-    return {
-        "collapse": fit_logistic(x_NxF, [r["collapsed"] for r in rows], STEP0).to_json(),
-        "floor": fit_logistic(x_NxF, [r["floor"] for r in rows], STEP0).to_json(),
+    tags = [{("inner", g)} for g in groups]
+    models, selection = {}, {}
+    for target, key in (("collapse", "collapsed"), ("floor", "floor")):
+        model, selection[target] = fit_selected(Folds(x_NxF, [r[key] for r in rows], tags,
+                                                      STEP0))
+        models[target] = model.to_json()
+    return models | {
         "log_onset": fit_ridge(x_NxF[collapsing], onsets, STEP0).to_json(),
-        "runs": len(rows), "collapsed": len(collapsing),
+        "selection": selection, "runs": len(rows), "collapsed": len(collapsing),
         "range": {n: [float(x_NxF[:, i].min()), float(x_NxF[:, i].max())]
                   for i, n in enumerate(STEP0)},
     }
@@ -338,19 +469,26 @@ def calibration(y_N, p_N, bins: int = 10) -> list[dict]:
 
 # cross-validation -----------------------------------------------------------------------------
 
-def held_out(rows: list[dict], groups: list[object], names: tuple[str, ...], target: str
-             ) -> tuple[np.ndarray, list[dict]]:
-    """Each row's probability of ``target`` from a logistic model on ``names`` fitted on the
-    rows of the other groups, and each fold's model (as JSON, with its group)."""
-    p_N = np.zeros(len(rows))
+def held_out(x_NxF: np.ndarray, y_N, outer: list[object], inner: list[object],
+             names: tuple[str, ...]) -> tuple[np.ndarray, dict[str, np.ndarray], list[dict]]:
+    """Each row's probability from the forecast's procedure (``fit_selected``, its inner folds
+    leaving out one ``inner`` group) fitted on the rows of the other ``outer`` groups; the
+    same from each of ``VARIANTS``; and each outer fold's model and selection."""
+    folds = Folds(x_NxF, y_N, [{("outer", o), ("inner", i)}
+                               for o, i in zip(outer, inner, strict=True)], names)
+    p_N = np.zeros(len(outer))
+    p_VxN = {v: np.zeros(len(outer)) for v in VARIANTS}
     models = []
-    for group in sorted(set(groups), key=str):
-        train = [r for r, g in zip(rows, groups, strict=True) if g != group]
-        test = [i for i, g in enumerate(groups) if g == group]
-        model = fit_logistic(design(train, names), [r[target] for r in train], names)
-        p_N[test] = probability(model, design([rows[i] for i in test], names))
-        models.append({"held_out": group, **model.to_json()})
-    return p_N, models
+    for group in sorted(set(outer), key=str):
+        excluded = frozenset({("outer", group)})
+        test_N = folds.members(("outer", group))
+        model, selection = fit_selected(folds, excluded)
+        p_N[test_N] = probability(model, folds.x_NxF[test_N])
+        for variant in VARIANTS:
+            p_VxN[variant][test_N] = probability(fit_variant(folds, excluded, variant)[0],
+                                                 folds.x_NxF[test_N])
+        models.append({"held_out": group, "selection": selection, "model": model.to_json()})
+    return p_N, p_VxN, models
 
 
 def held_out_onsets(rows: list[dict], groups: list[object]) -> list[int | None]:
