@@ -44,7 +44,9 @@ cells, coloured by loss / L_freq, collapses marked, as the stability map) and ``
 (the table, each cell linking its runs' reports, which it writes where missing) to --out_dir, and
 ``leaderboard_methods.md``, one row per method over the cells where Post-Norm collapses: did it
 prevent the collapse on every run there, how far from Pre-Norm's loss, at what cost
-(``method_verdicts``).
+(``method_verdicts``), ``leaderboard_paired.md``, each cell's seed-paired gap to Pre-Norm in
+nats with its 95% interval and verdict (``paired_gaps``), and ``leaderboard_profiles.md`` and
+``.png``: the final lambda profile of every run that records one (``profile_summary``).
 With ``--archive A`` each run is measured as soon as it ends, in its worker, and its record (its
 config, ``result.json`` and these measures) written to ``A/<run id>.json`` (``postnorm.sweep.
 archive``), as are the finished runs of --out_dir not recorded yet: committed, the archive keeps
@@ -83,11 +85,14 @@ from postnorm.sweep.leaderboard_table import (
     cell_key,
     markdown,
     method_verdicts,
+    paired_gaps,
+    paired_markdown,
+    profiles_markdown,
     verdicts_markdown,
 )
 from postnorm.sweep.plan import RunSpec, build_config, parse_shard, plan_file, shard, split_arg
 from postnorm.sweep.progress import plan_progress
-from postnorm.sweep.record import run_metrics_summary
+from postnorm.sweep.record import read_result, run_metrics_summary
 from postnorm.sweep.runner import planned_configs, run_sweep, run_workdirs
 from postnorm.sweep.summary import write_summary
 from postnorm.sweep.workers import check_workers
@@ -218,6 +223,30 @@ def plot(path: str, entries: list[dict]) -> None:
     save_figure(fig, path, dpi=110)
 
 
+def plot_profiles(path: str, rows: list[dict]) -> None:
+    """The final lambda per layer of every run that recorded one, attention and FFN side by
+    side, one line per run (colour: method and lr; style: seed)."""
+    runs = sorted((r for r in rows if r.get("final_post_mix")),
+                  key=lambda r: (r["method"], r["lr"], r["seed"]))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
+    groups = sorted({(r["method"], r["lr"]) for r in runs})
+    colours = {g: plt.cm.tab10(i % 10) for i, g in enumerate(groups)}
+    for r in runs:
+        mix_Lx2 = np.asarray(r["final_post_mix"])
+        for kind, ax in enumerate(axes):
+            ax.plot(mix_Lx2[:, kind], color=colours[(r["method"], r["lr"])],
+                    ls=("-", "--", ":")[r["seed"] % 3], lw=1.2,
+                    label=f"{r['method']} lr {r['lr']:g} seed {r['seed']}" if kind else None)
+    for ax, kind in zip(axes, ("attention", "FFN"), strict=True):
+        ax.set_xlabel("layer")
+        ax.set_title(f"final λ, {kind} sublayers")
+    axes[0].set_ylabel("λ (1: Post-Norm, 0: Pre-Norm)")
+    if runs:
+        axes[1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    save_figure(fig, path, dpi=110)
+
+
 def html_page(entries: list[dict], table: str, out_dir: str) -> str:
     """The table as HTML, each cell's runs linked to their reports."""
     def links(entry: dict) -> str:
@@ -248,6 +277,9 @@ def tabulate(out_dir: str, specs: list[RunSpec], configs: list[ml_collections.Co
         row.update(method=method_of(dict(spec.overrides)), layers=config.model.n_layers,
                    lr=config.opt.lr, warmup=config.opt.warmup_steps)
         workdir = os.path.join(out_dir, row["workdir"])
+        result = entry["result"] if row.get("archived") else read_result(workdir)
+        if result and result.get("final_post_mix"):
+            row["final_post_mix"] = result["final_post_mix"]
         if row.get("archived"):
             measures = entry.get("measures") or {}
             if row["status"] == "done" and measures.get("fresh_batches") != fresh_batches:
@@ -269,14 +301,20 @@ def tabulate(out_dir: str, specs: list[RunSpec], configs: list[ml_collections.Co
                          lambda measures: measures.get("fresh_batches") != fresh_batches)
     entries = aggregate(rows, list(ALL_METHODS), costs)
     verdicts = method_verdicts(entries)
+    gaps = paired_gaps(rows)
     write_json_atomic(os.path.join(out_dir, "leaderboard.json"),
-                      {"runs": rows, "cells": entries, "methods": verdicts,
+                      {"runs": rows, "cells": entries, "methods": verdicts, "paired": gaps,
                        "fresh_batches": fresh_batches, "costs": costs or {}})
     table = markdown(entries, fresh_batches)
     write_bytes_atomic(os.path.join(out_dir, "leaderboard.md"), table.encode())
     write_bytes_atomic(os.path.join(out_dir, "leaderboard_methods.md"),
                        verdicts_markdown(verdicts, fresh_batches).encode())
     plot(os.path.join(out_dir, "leaderboard.png"), entries)
+    write_bytes_atomic(os.path.join(out_dir, "leaderboard_paired.md"),
+                       paired_markdown(gaps, list(ALL_METHODS)).encode())
+    write_bytes_atomic(os.path.join(out_dir, "leaderboard_profiles.md"),
+                       profiles_markdown(rows).encode())
+    plot_profiles(os.path.join(out_dir, "leaderboard_profiles.png"), rows)
     write_bytes_atomic(os.path.join(out_dir, "leaderboard.html"),
                        html_page(entries, table, out_dir).encode())
     return table

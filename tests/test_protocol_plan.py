@@ -37,9 +37,9 @@ def test_the_bracket_clips_by_the_protocol_unless_the_method_clips_itself():
     stress = [o for o in plan if o["opt.clip_norm"] == 0.0]
     assert len(clipped) == len(stress)
     # B2T as published clips at 0.1; without clipping it is the rescaled-init row
-    assert {protocol.method_of(o) for o in stress if o["model.norm"] == "b2t"} == {"b2t_rescaled"}
-    assert {protocol.method_of(o) for o in clipped if o["model.norm"] == "b2t"} == {
-        "b2t_published"}
+    assert {protocol.method_of(o) for o in stress if o["model.norm"] == "b2t"} == {
+        "b2t_rescaled_noclip"}
+    assert {protocol.method_of(o) for o in clipped if o["model.norm"] == "b2t"} == {"b2t"}
 
 
 def test_the_bracket_rates_are_half_decades_over_a_factor_of_100():

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -535,7 +536,7 @@ def test_the_sweep_command_refuses_a_bad_sweep_file_in_one_line(tmp_path, sweep_
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("sweep_file,runs", [("configs/sweeps/leaderboard.py", 108),
+@pytest.mark.parametrize("sweep_file,runs", [("configs/sweeps/leaderboard.py", 138),
                                              ("configs/sweeps/training_methods.py", 30)])
 def test_the_committed_method_sweeps_pass_the_check_before_any_run(sweep_file, runs):
     base, specs = sweep.plan_file(sweep_file)
@@ -555,9 +556,11 @@ def test_a_training_methods_run_keeps_its_id_under_every_variant():
     assert "post_layers96_adamw_lr0.001_repair_seed0" in whole
 
 
-def test_the_leaderboard_grid_holds_the_108_runs_and_gives_each_cell_its_seeds():
-    """The grid variant's configs include every config of the 108-run plan (so runs finished
-    under either count for both), and each cell has the seeds its docstring states."""
+def test_the_leaderboard_grid_holds_the_core_and_gives_each_cell_its_seeds():
+    """The grid variant's configs include every config of the core plan (so runs finished under
+    either count for both), and each cell has the seeds its docstring states: 48 layers, both
+    lrs, 3 seeds for every method and for the own-profile control of each archived two-way
+    run; 139 more for FOCUS and DEPTH_METHODS."""
     from configs.sweeps import leaderboard
     from postnorm.config.identity import config_digest
 
@@ -565,7 +568,10 @@ def test_the_leaderboard_grid_holds_the_108_runs_and_gives_each_cell_its_seeds()
     grid_digests = {config_digest(c) for c in sweep_runner.planned_configs(base, grid, {})}
     core_digests = {config_digest(c) for c in sweep_runner.planned_configs(
         *sweep.plan_file("configs/sweeps/leaderboard.py"), {})}
-    assert len(grid) == len(grid_digests) == 247 and core_digests <= grid_digests
+    own_profile = len(list(Path(leaderboard.ARCHIVE).glob("adaptive_two_way_layers48_*.json")))
+    core = 6 * len(leaderboard.METHODS) + own_profile
+    assert len(grid) == len(grid_digests) == core + 139 and core_digests <= grid_digests
+    assert len(core_digests) == core
     core_ids = {s.run_id for s in sweep.plan_file("configs/sweeps/leaderboard.py")[1]}
     assert core_ids <= {s.run_id for s in grid}  # a run keeps its id (and archive record)
     assert "post_grad_repair_layers96_lr0.001_warmup20_seed0" in {s.run_id for s in grid}

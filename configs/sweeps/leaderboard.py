@@ -1,51 +1,31 @@
-"""The collapse leaderboard: every method that may prevent Post-Norm's collapse, on the default CPU
-config (48 layers, d=64, d_ff=192, n=128, batch 16, embedded corpus, 300 steps) at the two peak
-learning rates where Post-Norm collapses (1e-3 and 3e-3), three seeds each (docs/METHODS.md):
-the arrangements, the initialisation and the residual budget (14 entries of ``METHODS``), and the
-training-time methods, gradient repair, the frequency-loss regulariser, the z-loss and the
-monitor's rollback (4 more), 108 runs.
+"""The collapse leaderboard's plans: every method that may prevent Post-Norm's collapse, on the
+default CPU config (48 layers, d=64, d_ff=192, n=128, batch 16, the embedded corpus, 300 steps)
+at the two peak learning rates where Post-Norm collapses (1e-3 and 3e-3), three seeds each
+(docs/LEADERBOARD.md; the methods: docs/METHODS.md). A 300-step run is an early-speed screen.
 
     python -m experiments.leaderboard --out_dir runs/leaderboard --archive docs/leaderboard/runs \\
-        --workers 2   # trains, measures and tabulates; docs/LEADERBOARD.md
+        --sweep configs/sweeps/leaderboard.py:grid --workers 2
 
-The plan runs seed 0 of every method first, then seed 1, then seed 2, so a partial sweep already
-compares every method. A run's id names its method and cell (``run_name``). Variant ``blocked``:
-every method once (lr 3e-3, seed 0) with the blocked attention kernel, the check that each trains
-without a non-finite step on both kernels.
+The default plan is every method of ``METHODS`` at 48 layers, warmup 20 steps; ``--methods``
+keeps some of them. Each plan runs seed 0 of every cell first, then seed 1, then seed 2, so a
+partial sweep already compares every method. A run's id names its method and cell
+(``run_name``); a run is found by its config, so a run finished under one plan counts for all.
 
-Variant ``grid``: the leaderboard's full grid, depth {12, 24, 48} x lr {1e-3, 3e-3} x warmup
-{20, 100} steps, plus 96 layers, sized to about 9 hours of the 2-core host with ``--workers 2``
-(it contains the 108 runs above; a run is found by its config, so runs finished under either
-plan count for both). Measured at 48 layers on the 2-core Intel host with ``--workers 2`` (the
-leaderboard's first 72 runs): 237 s of training per run (median; 193-295 s) and 79 s of
-measuring (the 512 fresh batches), about 5.3 worker-minutes. At 12 and 24 layers the stability
-map's runs took 0.42x and 0.58x their 48-layer time, and 96 layers is taken as 2x; so about
-2.2, 3.1 and 10.6 worker-minutes (measured since: 96-layer runs took 498-520 s of training with
-the cores to themselves, 2.1-2.2x; 48-layer runs at warmup 100, 255-343 s; 24-layer runs a
-median 162 s of training and 60 s of measuring, so about 3.7 worker-minutes; 12-layer runs 91 s
-and 37 s, about 2.1 worker-minutes).
-What it runs, and what it cuts:
+``adaptive_own_profile`` (the control of the two-way controller: the final lambda profile of the
+``adaptive_two_way`` run of the same lr and seed, fixed from step 0) is planned once that run is
+in the leaderboard's archive (``ARCHIVE``); a second pass of the same command trains it.
 
-* every method at 48 layers, warmup 20, both lrs, 3 seeds (the 108 runs; about 4.7 h);
-* depth 12 and 24 at warmup 20 for post, pre and ``FOCUS`` only: 3 seeds where Post-Norm
-  collapses, (24, 3e-3), and next to one, (24, 1e-3) and (12, 3e-3); 1 seed at (12, 1e-3)
-  (the stability map, docs/RESULTS.md);
-* warmup 100 for post, pre and ``FOCUS`` only, at 24 and 48 layers, both lrs, 3 seeds (each cell
-  is next to a warmup-20 cell where Post-Norm collapses or next to one); not at 12 layers,
-  where no placement collapses at warmup 20;
-* 96 layers at lr 1e-3, warmup 20, 1 seed: post, pre and the methods that claim depth
-  (``DEPTH_METHODS``).
+Variant ``grid``: the default plan, plus depth 12 and 24 at warmup 20 and warmup 100 at 24 and 48
+layers for post, pre and ``FOCUS``, and 96 layers at lr 1e-3, seed 0, for ``DEPTH_METHODS``.
+What it cuts, and why: methods that collapsed at 48 layers get no other depth or warmup (only
+the four that prevented the collapse on all six 48-layer runs and learned past the floor are in
+``FOCUS``); at (12, 1e-3), where nothing collapses, one seed; no warmup 100 at 12 layers. Sized
+for the 2-core host with ``--workers 2``: about 5 worker-minutes per 48-layer run (training and
+measuring), 2 at 12 layers, 4 at 24 and 11 at 96. A host with more cores shards it
+(``--shard i/n``).
 
-That is 60 + 72 + 7 runs beyond the 108, about 540 worker-minutes (4.5 h with ``--workers 2``), and
-9.3 h for the whole grid of 247 runs (it took 11 h 50 min of wall time in nine sittings, some of
-them sharing the cores with the test suite: docs/LEADERBOARD.md). A host with more cores runs the
-whole grid, or shards it with ``--shard i/n``. ``FOCUS`` are the four methods that prevented the
-collapse on all six of their runs at 48 layers and learned past the unigram floor
-(docs/LEADERBOARD.md): the three published baselines with the smallest largest gap to Pre-Norm's
-loss (sandwich and Peri-LN +0.080, Mix-LN +0.103) and the adaptive placement (+0.108), the one
-improvement of the paper that prevented it; the residual budgets prevent it only by the rule's
-letter (their loss stays at the floor). Chosen when every method that could still prevent the
-collapse had its six runs in; the methods with runs left had collapsed on one already.
+Variant ``blocked``: every method once (lr 3e-3, seed 0) with the blocked attention kernel, the
+check that each trains without a non-finite step on both kernels.
 """
 
 import json
@@ -56,20 +36,31 @@ from postnorm.model.placements import profile_text
 
 BASE_CONFIG = "configs/default.py"
 
+# A published method under its own name runs as its paper and released code define it; a variant
+# carries a name that says how it differs.
 METHODS: dict[str, dict[str, object]] = {
     "post": {"model.norm": "post"},
     "pre": {"model.norm": "pre"},
-    "deepnorm": {"model.norm": "deepnorm"},
+    # DeepNet's init: Xavier normal, beta on W_V, W_O and the FFN (gain 1 on W_Q, W_K)
+    "deepnorm": {"model.norm": "deepnorm", "model.init": "xavier_normal"},
+    "deepnorm_torch_init": {"model.norm": "deepnorm"},  # beta on the torch_default draw
     "mixln": {"model.norm": "mixln"},
     "sandwich": {"model.norm": "sandwich"},
     "periln": {"model.norm": "periln"},
-    "b2t": {"model.norm": "b2t"},
-    "b2t_rescaled": {"model.norm": "b2t", "model.b2t_rescaled_init": True},
+    # B2T's released code: every layer matrix x L^(-1/2) with the connection on, and gradient
+    # clipping at 0.1 (its README's training command)
+    "b2t": {"model.norm": "b2t", "model.b2t_rescaled_init": True, "opt.clip_norm": 0.1},
+    "b2t_unscaled_noclip": {"model.norm": "b2t"},
+    "b2t_rescaled_noclip": {"model.norm": "b2t", "model.b2t_rescaled_init": True},
+    "admin": {"model.norm": "admin"},  # omega from a profiling pass at init
     "post_qk_norm": {"model.norm": "post", "model.qk_norm": True},
     "post_similarity_init": {"model.norm": "post", "model.init_tsim_target": 0.5},
     "post_budget_scale": {"model.norm": "post", "model.residual_budget": "scale"},
     "post_budget_penalty": {"model.norm": "post", "model.residual_budget": "penalty"},
+    # lambda moved by c of the Post norm's input: one way, towards Pre-Norm
     "adaptive": {"model.norm": "adaptive"},
+    # lambda moved by the backward gain across each sublayer, which clears at Pre-Norm
+    "adaptive_two_way": {"model.norm": "adaptive", "train.placement_signal": "two_way"},
     "adaptive_fixed_half": {"model.norm": "adaptive", "model.adaptive_initial_mix": 0.5,
                             "train.placement_controller": False},
     # the training-time methods (configs/sweeps/training_methods.py studies each further)
@@ -79,27 +70,13 @@ METHODS: dict[str, dict[str, object]] = {
     "post_monitor_rollback": {"model.norm": "post", "monitor.action": "lr_scale",
                               "monitor.rollback": True, "train.ckpt_every": 10},
 }
-# The methods as revised since the 300-step board (variant ``revised``), trained into their own
-# archive until the board is regenerated with them: the published baselines in their published
-# form (``b2t_published`` then becomes the B2T row), Admin, and the adaptive placement with the
-# two-way controller and its control, the final lambda profile of the same lr and seed fixed from
-# step 0 (``adaptive_own_profile``: planned once that run is archived).
-REVISED: dict[str, dict[str, object]] = {
-    # B2T's released code: every layer matrix x L^(-1/2) with the connection on, and gradient
-    # clipping at 0.1 (its README's training command)
-    "b2t_published": {"model.norm": "b2t", "model.b2t_rescaled_init": True,
-                      "opt.clip_norm": 0.1},
-    # DeepNet's init: Xavier normal, beta on W_V, W_O and the FFN (gain 1 on W_Q, W_K)
-    "deepnorm_xavier": {"model.norm": "deepnorm", "model.init": "xavier_normal"},
-    # Admin: omega from a profiling pass at init
-    "admin": {"model.norm": "admin"},
-    # lambda moved by the backward gain across each sublayer, which clears at Pre
-    "adaptive_two_way": {"model.norm": "adaptive", "train.placement_signal": "two_way"},
-    # a non-empty model.adaptive_profile marks it (``method_of``); the profile is the run's
-    "adaptive_own_profile": {"model.norm": "adaptive", "train.placement_controller": False},
-}
-REVISED_ARCHIVE = "results/leaderboard_revised/runs"
-ALL_METHODS = {**METHODS, **REVISED}
+# A method whose runs are planned from another run's record: a non-empty model.adaptive_profile
+# marks it (``method_of``), the profile being the final one of the same cell's two-way run.
+OWN_PROFILE = {"adaptive_own_profile": {"model.norm": "adaptive",
+                                        "train.placement_controller": False}}
+ARCHIVE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "docs", "leaderboard", "runs")
+ALL_METHODS = {**METHODS, **OWN_PROFILE}
 # Every field a method sets, at its default elsewhere, so that each run id names its method.
 METHOD_FIELDS = {"model.norm": "post", "model.b2t_rescaled_init": False, "model.qk_norm": False,
                  "model.init": "torch_default", "opt.clip_norm": 0.0,
@@ -112,7 +89,9 @@ LRS = (1e-3, 3e-3)
 SEEDS = (0, 1, 2)
 WARMUPS = (20, 100)  # short (the default config's) and long, in steps of the 300
 FOCUS = ("mixln", "periln", "sandwich", "adaptive")
-DEPTH_METHODS = ("post", "pre", "deepnorm", "mixln", "b2t", "adaptive", "post_grad_repair")
+# the 96-layer runs were trained before DeepNorm and B2T had their published forms
+DEPTH_METHODS = ("post", "pre", "deepnorm_torch_init", "mixln", "b2t_unscaled_noclip", "adaptive",
+                 "post_grad_repair")
 # (layers, lr) cells of warmup 20 with 3 seeds: where Post-Norm collapses or next to one
 THREE_SEED_CELLS = {(48, 1e-3), (48, 3e-3), (24, 1e-3), (24, 3e-3), (12, 3e-3)}
 
@@ -160,52 +139,52 @@ def _run(method: str, lr: float, seed: int, **extra: object) -> dict[str, object
     return {**METHOD_FIELDS, **ALL_METHODS[method], "opt.lr": lr, "seed": seed, **extra}
 
 
+def _own_profile_runs(archive_dir: str, lr: float, seed: int,
+                      **extra: object) -> list[dict[str, object]]:
+    """``adaptive_own_profile`` at (lr, seed) if the ``adaptive_two_way`` run of that cell is in
+    ``archive_dir``, with that run's final lambda profile; else none."""
+    path = os.path.join(archive_dir, f"{run_name(_run('adaptive_two_way', lr, seed))}.json")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        final = json.load(f)["result"]["final_post_mix"]
+    return [{**_run("adaptive_own_profile", lr, seed, **extra),
+             "model.adaptive_profile": profile_text(final)}]
+
+
+def _core(**extra: object) -> list[dict[str, object]]:
+    """Every method at 48 layers, warmup 20, both lrs, three seeds, seed 0 first (``extra``:
+    fields every run sets at their default, for a plan whose other runs set them)."""
+    plan = []
+    for seed in SEEDS:
+        plan += [_run(method, lr, seed, **extra) for method in METHODS for lr in LRS]
+        plan += [run for lr in LRS for run in _own_profile_runs(ARCHIVE, lr, seed, **extra)]
+    return plan
+
+
 def _grid() -> list[dict[str, object]]:
-    """The full grid of the module docstring, seed 0 of every cell first."""
+    """The full grid of the module docstring: the core, then the other cells, seed 0 first."""
     def cell(method: str, layers: int, lr: float, warmup: int, seed: int) -> dict[str, object]:
         return _run(method, lr, seed, **{"model.n_layers": layers, "opt.warmup_steps": warmup})
 
-    cells = [(method, 48, lr, 20, 3) for method in METHODS for lr in LRS]
     few = ("post", "pre", *FOCUS)
-    cells += [(method, layers, lr, 20, 3 if (layers, lr) in THREE_SEED_CELLS else 1)
-              for method in few for layers in (12, 24) for lr in LRS]
+    cells = [(method, layers, lr, 20, 3 if (layers, lr) in THREE_SEED_CELLS else 1)
+             for method in few for layers in (12, 24) for lr in LRS]
     cells += [(method, layers, lr, 100, 3) for method in few for layers in (24, 48)
               for lr in LRS]
     cells += [(method, 96, 1e-3, 20, 1) for method in DEPTH_METHODS]
-    return [cell(method, layers, lr, warmup, seed) for seed in SEEDS
-            for method, layers, lr, warmup, seeds in cells if seed < seeds]
-
-
-def _revised(archive_dir: str) -> list[dict[str, object]]:
-    """The ``REVISED`` methods at 48 layers, warmup 20, both lrs, three seeds; each
-    ``adaptive_own_profile`` run once its ``adaptive_two_way`` run is in ``archive_dir``."""
-    plan = []
-    for seed in SEEDS:
-        for method in REVISED:
-            for lr in LRS:
-                run = _run(method, lr, seed)
-                if method == "adaptive_own_profile":
-                    two_way = _run("adaptive_two_way", lr, seed)
-                    path = os.path.join(archive_dir, f"{run_name(two_way)}.json")
-                    if not os.path.exists(path):
-                        continue
-                    with open(path) as f:
-                        final = json.load(f)["result"]["final_post_mix"]
-                    run["model.adaptive_profile"] = profile_text(final)
-                plan.append(run)
-    return plan
+    core = _core(**{"model.n_layers": 48, "opt.warmup_steps": 20})
+    return core + [cell(method, layers, lr, warmup, seed) for seed in SEEDS
+                   for method, layers, lr, warmup, seeds in cells if seed < seeds]
 
 
 def get_sweep(arg: str | None = None) -> list[dict[str, object]]:
     """One dict of config overrides per run; ``arg`` ``"blocked"`` gives the kernel check,
-    ``"grid"`` the full grid, ``"revised"`` the ``REVISED`` methods at 48 layers, both lrs,
-    three seeds."""
+    ``"grid"`` the full grid."""
     if arg in (None, ""):
-        return [_run(method, lr, seed) for seed in SEEDS for method in METHODS for lr in LRS]
+        return _core()
     if arg == "blocked":
         return [_run(method, 3e-3, 0, **{"model.attention": "blocked"}) for method in METHODS]
     if arg == "grid":
         return _grid()
-    if arg == "revised":
-        return _revised(REVISED_ARCHIVE)
-    raise ValueError(f"unknown sweep variant {arg!r}; known: blocked, grid, revised")
+    raise ValueError(f"unknown sweep variant {arg!r}; known: blocked, grid")

@@ -40,8 +40,7 @@ SCREEN_STEPS = 300
 BRACKET_LRS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
 LONG_WARMUP_FRACTION = 1 / 3
 BRACKET_METHODS = ("pre", "post", "mixln", "sandwich", "periln", "post_budget_scale",
-                   "post_budget_penalty", "adaptive_two_way", "b2t_published",
-                   "deepnorm_xavier", "admin")
+                   "post_budget_penalty", "adaptive_two_way", "b2t", "deepnorm", "admin")
 
 
 def protocol(steps: int, warmup_fraction: float = WARMUP_FRACTION,

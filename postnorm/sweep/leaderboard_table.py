@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from postnorm.analysis.paired import MARGIN_NATS, paired_gap
 from postnorm.analysis.tables import cell, markdown_table
 from postnorm.diagnostics.early_warning import DEFAULT_RULE
 
@@ -179,3 +180,67 @@ def markdown(entries: list[dict], fresh_batches: int) -> str:
              cell(e["step_time_vs_post"], ".3f"), cell(e["peak_memory_vs_post"], ".4f")]
             for e in entries]
     return "\n".join(markdown_table(header, rows)) + "\n"
+
+
+def profile_summary(profile_Lx2: Sequence[Sequence[float]]) -> dict:
+    """A final lambda profile ([n_layers][attention, FFN], 1: Post-Norm, 0: Pre-Norm) in
+    numbers: the mean lambda per sublayer kind, the sublayers at Post (lambda >= 0.99), at Pre
+    (<= 0.01) and in between, and the first layer with a sublayer at Pre (None: none)."""
+    mix_Lx2 = np.asarray(profile_Lx2, dtype=float)
+    at_pre = mix_Lx2 <= 0.01
+    at_post = mix_Lx2 >= 0.99
+    layers_at_pre = np.flatnonzero(at_pre.any(axis=1))
+    return {"mean_attn": float(mix_Lx2[:, 0].mean()), "mean_ffn": float(mix_Lx2[:, 1].mean()),
+            "at_post": int(at_post.sum()), "at_pre": int(at_pre.sum()),
+            "between": int((~at_post & ~at_pre).sum()),
+            "first_layer_at_pre": int(layers_at_pre[0]) if layers_at_pre.size else None}
+
+
+def profiles_markdown(rows: list[dict]) -> str:
+    """One line per run that recorded its final lambda profile (``final_post_mix``): the cell,
+    the seed, its ``profile_summary`` and the loss it ended with."""
+    runs = sorted((r for r in rows if r.get("final_post_mix")),
+                  key=lambda r: (*cell_key(r), r["seed"]))
+    body = []
+    for r in runs:
+        s = profile_summary(r["final_post_mix"])
+        body.append([r["method"], str(r["layers"]), f"{r['lr']:g}", str(r["warmup"]),
+                     str(r["seed"]), f"{s['mean_attn']:.3f}", f"{s['mean_ffn']:.3f}",
+                     f"{s['at_post']}/{s['at_pre']}/{s['between']}",
+                     cell(s["first_layer_at_pre"]), cell(r.get("fresh_loss_over_lfreq"), ".3f"),
+                     cell(r.get("collapsed"))])
+    header = ["method", "layers", "lr", "warmup", "seed", "mean λ, attention", "mean λ, FFN",
+              "sublayers at Post / at Pre / between", "first layer with a sublayer at Pre",
+              "loss / L_freq", "collapsed"]
+    return "\n".join(markdown_table(header, body)) + "\n"
+
+
+def paired_gaps(rows: list[dict]) -> list[dict]:
+    """Per cell with at least two seeds finished by both the method and Pre-Norm: the
+    seed-paired gap of the method's fresh-batch loss (nats) over Pre-Norm's, its 95% interval and
+    its verdict against ``paired.MARGIN_NATS`` (``postnorm.analysis.paired``)."""
+    loss: dict[tuple, dict[int, float]] = {}
+    for r in rows:
+        if r.get("status") == "done" and r.get("fresh_loss") is not None:
+            loss.setdefault(cell_key(r), {})[r["seed"]] = r["fresh_loss"]
+    out = []
+    for key, by_seed in loss.items():
+        reference = loss.get(("pre", *key[1:]))
+        if key[0] == "pre" or reference is None or len(set(by_seed) & set(reference)) < 2:
+            continue
+        out.append({**dict(zip(CELL, key, strict=True)), **paired_gap(by_seed, reference)})
+    return out
+
+
+def paired_markdown(gaps: list[dict], order: Sequence[str]) -> str:
+    """``paired_gaps`` as a table, methods in ``order``, then depth, lr and warmup."""
+    body = []
+    for g in sorted(gaps, key=lambda g: (list(order).index(g["method"]), g["layers"], g["lr"],
+                                         g["warmup"])):
+        ci = "–" if g["ci95"] is None else f"[{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}]"
+        body.append([g["method"], str(g["layers"]), f"{g['lr']:g}", str(g["warmup"]),
+                     str(g["n"]), f"{g['mean']:+.3f}", ci, g["verdict"]])
+    margin = gaps[0]["margin"] if gaps else MARGIN_NATS
+    header = ["method", "layers", "lr", "warmup", "seeds paired", "gap to pre (nats)",
+              "95% interval", f"verdict (margin {margin:g} nats)"]
+    return "\n".join(markdown_table(header, body)) + "\n"
