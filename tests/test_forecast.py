@@ -13,7 +13,6 @@ import pytest
 from scipy.optimize import minimize
 from scipy.stats import rankdata
 
-from experiments.forecast_validation import archived_rows
 from postnorm.analysis import forecast as fc
 from postnorm.analysis.collapse import half_alike_step
 from postnorm.config.schema import base_config
@@ -217,11 +216,16 @@ def test_the_fit_reads_methods_as_labels_only():
     assert fits[0] == fits[1]
 
 
-def test_the_committed_model_is_the_fit_on_the_archive():
-    rows, skipped = archived_rows([str(ARCHIVE)])
-    assert not skipped
-    committed = json.loads((FORECAST_DIR / "model.json").read_text())
-    assert_json_matches(fc.fit_forecast(rows, [r["method"] for r in rows]), committed)
+def test_the_committed_model_and_validation_are_the_commands_output(tmp_path):
+    """The command FORECAST.md gives rewrites model.json and validation.json as committed from
+    the archive alone (run as a process: it defines its own flags)."""
+    result = subprocess.run([sys.executable, "-m", "experiments.forecast_validation",
+                             f"--out_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True,
+                            timeout=600, env=subprocess_env(None))
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("model.json", "validation.json"):
+        assert_json_matches(json.loads((tmp_path / name).read_text()),
+                            json.loads((FORECAST_DIR / name).read_text()))
 
 
 def _independent_auc(y, p) -> float:
