@@ -1,7 +1,7 @@
 """Test session setup: 8 simulated CPU devices, so sharded steps run on a real mesh; with
 ``--kernel-march=TARGET``, the C++ attention kernel built for that CPU target instead of this
-CPU's own (``tests/test_cpu_attention.py`` runs its kernel tests so for every target the build
-chooses from that this CPU can run)."""
+CPU's own (``tests/kernels/test_causal_attention.py`` runs its kernel tests so for every target
+the build chooses from that this CPU can run)."""
 
 import os
 

@@ -35,9 +35,9 @@ def tiny_overrides(corpus: Path, data_dir: Path, **overrides) -> dict[str, objec
         "data.data_dir": str(data_dir), "data.tokenizer": "byte", "data.seq_len": 32,
         "data.batch_size": 8, "opt.lr": 3e-3, "opt.warmup_steps": 2, "train.steps": 20,
         "train.log_every": 1, "train.eval_every": 10, "train.eval_batches": 1,
-        "runtime.allocator": "system",  # no re-execution; tests/test_allocator.py covers it
+        "runtime.allocator": "system",  # no re-execution; tests/runtime/test_allocator.py covers it
         # a fixed kernel, so runs compared across processes and device counts compute alike
-        # (auto times the kernels for each shape: tests/test_attention_choice.py)
+        # (auto times the kernels for each shape: tests/model/test_attention_choice.py)
         "model.attention": "cpu",
     }
     fields.update({key.replace("__", "."): value for key, value in overrides.items()})

@@ -114,7 +114,7 @@ def mean_effective_rank(x_BxLxD: jax.Array) -> jax.Array:
 
     One SVD per sequence: a batched SVD on CPU waits on sub-tasks in XLA's thread pool, and
     with the batch sharded over fsdp every device's SVD did so at once, which deadlocked a
-    pool of two threads (tests/test_train.py, the sharded diagnostic step)."""
+    pool of two threads (tests/train/test_loop.py, the sharded diagnostic step)."""
     count = min(ERANK_SEQUENCES, x_BxLxD.shape[0])
     return jnp.mean(jnp.stack([effective_rank(x_BxLxD[i]) for i in range(count)]))
 
