@@ -3,7 +3,7 @@
     python -m experiments.early_warning --runs DIR[,DIR...] [--out FILE.md] [--json FILE]
     python -m experiments.early_warning --runs_under runs/leaderboard   # every run below it
     python -m experiments.early_warning --runs_under runs/leaderboard --warn_persistence 2
-    python -m experiments.early_warning --archive docs/leaderboard/runs   # a sweep's archive
+    python -m experiments.early_warning --archive results/leaderboard/runs   # a sweep's archive
 
 For each run (a directory with ``metrics.jsonl``) it replays the monitor
 (``postnorm.diagnostics.early_warning``) over the recorded diagnostic steps, as the live monitor

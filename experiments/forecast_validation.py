@@ -1,8 +1,8 @@
 """Fit the collapse forecast on archived runs and validate it: leave one method out, leave one
 depth out, beside two baselines; and the monitor's lead time against the onset step.
 
-    python -m experiments.forecast_validation [--archive docs/leaderboard/runs[,DIR...]]
-        [--out_dir docs/figures/forecast]
+    python -m experiments.forecast_validation [--archive results/leaderboard/runs[,DIR...]]
+        [--out_dir results/figures/forecast]
 
 Trains nothing. Writes to --out_dir: ``model.json`` (the step-0 models fitted on every run: what
 ``experiments.forecast`` and ``main.py`` read), ``validation.json`` (every run's held-out
@@ -36,8 +36,8 @@ from postnorm.sweep.archive import read_archive
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-flags.DEFINE_list("archive", ["docs/leaderboard/runs"], "Sweep archives whose runs are read.")
-flags.DEFINE_string("out_dir", "docs/figures/forecast", "Directory for the outputs.")
+flags.DEFINE_list("archive", ["results/leaderboard/runs"], "Sweep archives whose runs are read.")
+flags.DEFINE_string("out_dir", "results/figures/forecast", "Directory for the outputs.")
 FLAGS = flags.FLAGS
 
 SCHEMES = {"leave one method out": "method", "leave one depth out": "layers"}

@@ -2,7 +2,7 @@
 
     python -m experiments.leaderboard --out_dir runs/leaderboard [--sweep FILE[:variant]]
         [--methods post,pre,...] [--shard i/n] [--workers N] [--report_only] [--fresh_batches 512]
-        [--archive docs/leaderboard/runs]
+        [--archive results/leaderboard/runs]
     python -m experiments.leaderboard --runs DIR[,DIR...]   # the same measures of any runs, as JSON
 
 Built on the sweep runner (``postnorm.sweep.runner``): every run's config is validated before the
@@ -52,7 +52,7 @@ config, ``result.json`` and these measures) written to ``A/<run id>.json`` (``po
 archive``), as are the finished runs of --out_dir not recorded yet: committed, the archive keeps
 a plan that takes several sittings on machines whose run directories do not last. A run recorded
 there is not trained again, and the table takes it from there when --out_dir lacks it, so
-``--out_dir docs/leaderboard --archive docs/leaderboard/runs --report_only`` rebuilds the
+``--out_dir results/leaderboard --archive results/leaderboard/runs --report_only`` rebuilds the
 committed table from the archive alone (its cells link no report).
 With ``--runs`` it prints, for each run directory given, these measures and the collapse verdict
 as JSON lines, with no sweep.
@@ -114,10 +114,10 @@ flags.DEFINE_list("runs", None, "Run directories to measure and print as JSON li
 flags.DEFINE_string("archive", None, "Directory of the leaderboard's archive: one JSON record "
                     "per finished run with its measures, written as each ends; runs recorded "
                     "there are not trained again and the table reads them from there.")
-flags.DEFINE_list("cost", ["docs/perf/intel_methods_overhead.json",
-                            "docs/perf/intel_methods_overhead_reversed.json",
-                            "docs/perf/intel_methods_overhead_training.json",
-                            "docs/perf/intel_methods_overhead_training_reversed.json"],
+flags.DEFINE_list("cost", ["results/perf/intel_methods_overhead.json",
+                            "results/perf/intel_methods_overhead_reversed.json",
+                            "results/perf/intel_methods_overhead_training.json",
+                            "results/perf/intel_methods_overhead_training_reversed.json"],
                   "benchmarks/bench.py JSON files, each timing methods side by side with post "
                   "first: the table's step time and peak memory relative to post (geometric mean "
                   "over the files); empty: no cost columns.")

@@ -1,8 +1,8 @@
 """The repair-event table of a sweep's archive: per method, the runs that went alike early and how
 many were repaired by the end (the rule: ``postnorm.analysis.repair_events``). Trains nothing.
 
-    python -m experiments.repair_events --archive docs/leaderboard/runs \\
-        --out docs/leaderboard/repair_events
+    python -m experiments.repair_events --archive results/leaderboard/runs \\
+        --out results/leaderboard/repair_events
 
 Writes ``<out>.md`` (the table and the rule) and ``<out>.json`` (the rule, the per-method counts
 and every run's row: its largest fraction of layers alike from the rule's first step on, its
@@ -17,9 +17,9 @@ from postnorm.errors import UserError, exit_on_error
 from postnorm.files import write_bytes_atomic, write_json_atomic
 from postnorm.sweep.archive import read_archive
 
-flags.DEFINE_string("archive", "docs/leaderboard/runs", "A sweep's archive of run records "
+flags.DEFINE_string("archive", "results/leaderboard/runs", "A sweep's archive of run records "
                     "(postnorm.sweep.archive).")
-flags.DEFINE_string("out", "docs/leaderboard/repair_events", "Write <out>.md and <out>.json.")
+flags.DEFINE_string("out", "results/leaderboard/repair_events", "Write <out>.md and <out>.json.")
 FLAGS = flags.FLAGS
 
 

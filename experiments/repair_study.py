@@ -1,7 +1,7 @@
 """Gradient repair (improvement 2) against its controls, from recorded runs' diagnostics.
 
     python -m experiments.repair_study --runs_under runs/training_methods \
-        --out_dir docs/figures/repair
+        --out_dir results/figures/repair
 
 For every finished Post-Norm run among the runs given that changes nothing but (possibly)
 ``train.grad_repair``, the optimizer and the depth (``configs/sweeps/training_methods.py``,

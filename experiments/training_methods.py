@@ -1,6 +1,6 @@
 """The training-time remedies' table, from the archives of their runs and of their controls.
 
-    python -m experiments.training_methods --out_dir docs/figures/training_methods
+    python -m experiments.training_methods --out_dir results/figures/training_methods
 
 For every group of ``configs/sweeps/training_methods.py`` and its ``controls`` (Post- and
 Pre-Norm with no remedy, the leaderboard's runs), finds each planned run by its config in the
@@ -34,7 +34,7 @@ from postnorm.sweep.plan import plan_file, split_arg
 
 flags.DEFINE_string("sweep", "configs/sweeps/training_methods.py", "The grouped sweep file: "
                     "it defines GROUPS, FIELDS and a variant ``controls``.")
-flags.DEFINE_list("archive", ["docs/training_methods/runs", "docs/leaderboard/runs"],
+flags.DEFINE_list("archive", ["results/training_methods/runs", "results/leaderboard/runs"],
                   "Archives to find the runs in, first match first.")
 flags.DEFINE_string("out_dir", None, "Directory for summary.json and summary.md.")
 FLAGS = flags.FLAGS

@@ -3,7 +3,7 @@ default CPU config (48 layers, d=64, d_ff=192, n=128, batch 16, the embedded cor
 at the two peak learning rates where Post-Norm collapses (1e-3 and 3e-3), three seeds each
 (docs/LEADERBOARD.md; the methods: docs/METHODS.md). A 300-step run is an early-speed screen.
 
-    python -m experiments.leaderboard --out_dir runs/leaderboard --archive docs/leaderboard/runs \\
+    python -m experiments.leaderboard --out_dir runs/leaderboard --archive results/leaderboard/runs \\
         --sweep configs/sweeps/leaderboard.py:grid --workers 2
 
 The default plan is every method of ``METHODS`` at 48 layers, warmup 20 steps; ``--methods``
@@ -75,7 +75,7 @@ METHODS: dict[str, dict[str, object]] = {
 OWN_PROFILE = {"adaptive_own_profile": {"model.norm": "adaptive",
                                         "train.placement_controller": False}}
 ARCHIVE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "docs", "leaderboard", "runs")
+    os.path.abspath(__file__)))), "results", "leaderboard", "runs")
 ALL_METHODS = {**METHODS, **OWN_PROFILE}
 # Every field a method sets, at its default elsewhere, so that each run id names its method.
 METHOD_FIELDS = {"model.norm": "post", "model.b2t_rescaled_init": False, "model.qk_norm": False,

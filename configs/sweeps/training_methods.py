@@ -5,9 +5,9 @@ frequency-loss regulariser, the z-loss and the early-warning monitor's actions
 leaderboard's runs (configs/sweeps/leaderboard.py), the controls.
 
     python -m experiments.sweep --sweep configs/sweeps/training_methods.py \\
-        --out_dir runs/training_methods --archive docs/training_methods/runs --workers 2 \\
-        --fresh_batches 512 --skip_archived docs/leaderboard/runs
-    python -m experiments.training_methods --out_dir docs/figures/training_methods
+        --out_dir runs/training_methods --archive results/training_methods/runs --workers 2 \\
+        --fresh_batches 512 --skip_archived results/leaderboard/runs
+    python -m experiments.training_methods --out_dir results/figures/training_methods
 
 Groups (variant ``<group>`` runs one alone):
 

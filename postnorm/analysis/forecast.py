@@ -43,7 +43,7 @@ from postnorm.model.spec import ModelSpec
 from postnorm.train.optim import learning_rate_schedule
 
 MODEL_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "docs", "figures", "forecast", "model.json")
+    os.path.abspath(__file__)))), "results", "figures", "forecast", "model.json")
 THEORY = ("tsim_max", "tsim_mean", "log_skip_gain", "log_erase_fraction")
 SCHEDULE = ("log2_layers", "log_lr", "warmup_fraction")
 TRAINING_FLAGS = ("qk_norm", "grad_repair", "z_loss", "diversity", "monitor_action",

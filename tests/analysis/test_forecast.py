@@ -20,8 +20,8 @@ from postnorm.sweep.archive import read_archive
 from tests.committed import assert_json_matches
 from tests.reliability_helpers import REPO, subprocess_env
 
-FORECAST_DIR = REPO / "docs" / "figures" / "forecast"
-ARCHIVE = REPO / "docs" / "leaderboard" / "runs"
+FORECAST_DIR = REPO / "results" / "figures" / "forecast"
+ARCHIVE = REPO / "results" / "leaderboard" / "runs"
 
 
 def small_config(**model):
@@ -329,4 +329,4 @@ def test_the_committed_validation_tables_are_its_json_and_the_docs_cite_them():
             assert cells[:2] == [f"{collapse[name]['auc']:.3f}",
                                  f"{collapse[name]['brier']:.3f}"], (scheme, name)
     doc = (REPO / "docs" / "FORECAST.md").read_text()
-    assert "(figures/forecast/validation.md)" in doc
+    assert "(../results/figures/forecast/validation.md)" in doc

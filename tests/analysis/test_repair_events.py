@@ -23,8 +23,8 @@ def run_command(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "experiments.repair_events", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=300, env=subprocess_env(None))
 
-ARCHIVE = REPO / "docs" / "leaderboard" / "runs"
-COMMITTED = REPO / "docs" / "leaderboard" / "repair_events"
+ARCHIVE = REPO / "results" / "leaderboard" / "runs"
+COMMITTED = REPO / "results" / "leaderboard" / "repair_events"
 
 
 @pytest.mark.parametrize("steps,fractions,went_alike,repaired", [

@@ -12,7 +12,7 @@ from configs.sweeps.training_methods import FIELDS, run_name
 from tests.committed import REL_TOL, assert_json_matches, assert_text_matches
 from tests.reliability_helpers import REPO, subprocess_env
 
-EARLY_WARNING = REPO / "docs" / "figures" / "early_warning"
+EARLY_WARNING = REPO / "results" / "figures" / "early_warning"
 
 
 def test_the_early_warning_table_matches_its_replays():
@@ -52,11 +52,11 @@ def test_the_early_warning_table_matches_its_replays():
 
 
 def test_the_leaderboard_archive_replay_is_the_archive_replayed(tmp_path):
-    """docs/figures/early_warning/replay_leaderboard_archive.{md,json}, which DIAGNOSTICS.md
+    """results/figures/early_warning/replay_leaderboard_archive.{md,json}, which DIAGNOSTICS.md
     cites, are what the command beside it gives from the committed archive: every archived
     run, replayed."""
     result = subprocess.run(
-        [sys.executable, "-m", "experiments.early_warning", "--archive=docs/leaderboard/runs",
+        [sys.executable, "-m", "experiments.early_warning", "--archive=results/leaderboard/runs",
          f"--out={tmp_path / 'replay.md'}", f"--json={tmp_path / 'replay.json'}"],
         cwd=REPO, capture_output=True, text=True, timeout=600, env=subprocess_env(None))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -64,7 +64,7 @@ def test_the_leaderboard_archive_replay_is_the_archive_replayed(tmp_path):
                         (EARLY_WARNING / "replay_leaderboard_archive.md").read_text())
     committed = json.loads((EARLY_WARNING / "replay_leaderboard_archive.json").read_text())
     assert_json_matches(json.loads((tmp_path / "replay.json").read_text()), committed)
-    archived = [json.loads(p.read_text()) for p in (REPO / "docs" / "leaderboard" / "runs")
+    archived = [json.loads(p.read_text()) for p in (REPO / "results" / "leaderboard" / "runs")
                 .glob("*.json")]
     # every run that trained its steps (a run stopped on a non-finite step has no end to replay)
     assert len(committed["runs"]) == sum(a["result"]["status"] == "done" for a in archived)
@@ -107,8 +107,8 @@ def _includes_table(doc: str, lines: list[str]) -> None:
 
 def test_the_backward_decay_section_matches_its_json():
     """docs/RESULTS.md's Theorem 3.6 / 3.8(ii) section includes the per-run table of
-    docs/figures/backward_decay/summary.md, whose rows are its summary.json."""
-    figures = REPO / "docs" / "figures" / "backward_decay"
+    results/figures/backward_decay/summary.md, whose rows are its summary.json."""
+    figures = REPO / "results" / "figures" / "backward_decay"
     _includes_table((REPO / "docs" / "RESULTS.md").read_text(), _decay_table(figures))
     runs = json.loads((figures / "summary.json").read_text())["runs"]
     for run in runs:
@@ -130,7 +130,7 @@ def _errors(found: dict) -> str:
 def test_theorem_32_at_the_nominal_s_and_theorem_34_match_the_stage1_outputs():
     """docs/THEORY.md's per-setting table, from summary.json (``python -m
     experiments.init_similarity``)."""
-    stage1 = REPO / "docs" / "figures" / "stage1"
+    stage1 = REPO / "results" / "figures" / "stage1"
     figures = json.loads((stage1 / "summary.json").read_text())["figures"]
     doc = (REPO / "docs" / "THEORY.md").read_text()
     settings = ("post/real", "post/gaussian", "pre/real", "pre/gaussian")
@@ -181,20 +181,20 @@ def test_the_stability_map_replay_matches_its_json():
     assert all(r["first_warn"] is None for r in runs if r["method"] == "pre" or r["n_layers"] == 12)
 
 
-LEADERBOARD = REPO / "docs" / "leaderboard"
+LEADERBOARD = REPO / "results" / "leaderboard"
 
 
 def test_the_committed_leaderboard_is_its_archive_tabulated(tmp_path):
-    """The command LEADERBOARD.md gives rebuilds every committed table of docs/leaderboard/
+    """The command LEADERBOARD.md gives rebuilds every committed table of results/leaderboard/
     and its JSON from the committed archive alone; the page includes the generated per-method
     and lambda-profile tables verbatim and links the cell table."""
     board = json.loads((LEADERBOARD / "leaderboard.json").read_text())
     table = (LEADERBOARD / "leaderboard.md").read_text()
     doc = (REPO / "docs" / "LEADERBOARD.md").read_text()
-    assert "(leaderboard/leaderboard.md)" in doc
+    assert "(../results/leaderboard/leaderboard.md)" in doc
     result = subprocess.run(
         [sys.executable, "-m", "experiments.leaderboard", f"--out_dir={tmp_path}",
-         "--archive=docs/leaderboard/runs", "--sweep=configs/sweeps/leaderboard.py:grid",
+         "--archive=results/leaderboard/runs", "--sweep=configs/sweeps/leaderboard.py:grid",
          "--report_only"],
         cwd=REPO, capture_output=True, text=True, timeout=600, env=subprocess_env(None))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -220,7 +220,7 @@ def test_the_committed_leaderboard_is_its_archive_tabulated(tmp_path):
             ("post_grad_repair", "post,train.grad_repair=true", training)):
         ratios = []
         for name in files:
-            bench = json.loads((REPO / "docs" / "perf" / name).read_text())["variants"]
+            bench = json.loads((REPO / "results" / "perf" / name).read_text())["variants"]
             ratios.append(bench[variant]["programs"]["train"]["median_s"]
                           / bench["post"]["programs"]["train"]["median_s"])
         assert board["costs"][method]["step_time_vs_post"] == pytest.approx(
@@ -244,8 +244,8 @@ def test_the_committed_leaderboard_is_its_archive_tabulated(tmp_path):
 
 
 def test_the_paper_width_section_matches_its_outputs():
-    """docs/RESULTS.md's paper-width section, from docs/figures/paper_width48."""
-    figures = REPO / "docs" / "figures" / "paper_width48"
+    """docs/RESULTS.md's paper-width section, from results/figures/paper_width48."""
+    figures = REPO / "results" / "figures" / "paper_width48"
     summary = json.loads((figures / "summary.json").read_text())
     runs = {r["run"]: r for r in summary["runs"]}
     thm38 = {r["run"]: r for r in summary["thm38"]}
@@ -275,13 +275,13 @@ def test_the_paper_width_section_matches_its_outputs():
 
 
 def test_the_repair_section_matches_its_runs():
-    """Each run's verdict and fresh-batch loss in docs/figures/repair/summary.json are its
+    """Each run's verdict and fresh-batch loss in results/figures/repair/summary.json are its
     archive record's, its pairs' ratios are its runs', and docs/METHODS.md includes
     summary.md's table of repaired over plain runs verbatim. (experiments.repair_study is not
     imported: its absl flags would clash with other commands' in a test worker.)"""
     from postnorm.diagnostics.early_warning import DEFAULT_RULE
 
-    figures = REPO / "docs" / "figures" / "repair"
+    figures = REPO / "results" / "figures" / "repair"
     summary = json.loads((figures / "summary.json").read_text())
     committed = (figures / "summary.md").read_text()
     paired = committed.split("## Repaired over plain", 1)[1].splitlines()
@@ -292,7 +292,7 @@ def test_the_repair_section_matches_its_runs():
         run_id = run_name({**FIELDS, "model.n_layers": row["n_layers"],
                            "opt.optimizer": row["optimizer"], "opt.lr": row["lr"],
                            "train.grad_repair": row["repair"], "seed": row["seed"]})
-        record = json.loads((REPO / "docs" / "training_methods" / "runs" / f"{run_id}.json")
+        record = json.loads((REPO / "results" / "training_methods" / "runs" / f"{run_id}.json")
                             .read_text())
         assert record["measures"]["fresh_loss_over_lfreq"] == row["fresh_loss_over_lfreq"]
         assert record["result"]["collapse"]["collapsed"] == row["collapsed"]
@@ -317,10 +317,10 @@ def test_the_repair_section_matches_its_runs():
 
 
 def test_the_training_methods_tables_are_their_archives_tabulated(tmp_path):
-    """docs/figures/training_methods/summary.md is what the command beside it rebuilds from the
+    """results/figures/training_methods/summary.md is what the command beside it rebuilds from the
     two archives alone, docs/METHODS.md includes it verbatim, and its JSON holds what the page
     says of the regulariser, the z-loss and the monitor's actions."""
-    figures = REPO / "docs" / "figures" / "training_methods"
+    figures = REPO / "results" / "figures" / "training_methods"
     table = (figures / "summary.md").read_text()
     result = subprocess.run(
         [sys.executable, "-m", "experiments.training_methods", f"--out_dir={tmp_path}"],
@@ -382,7 +382,7 @@ def test_a_config_trained_in_two_archives_gives_the_same_run():
     but for its wall time."""
     by_digest = collections.defaultdict(list)
     for archive in ("leaderboard", "training_methods"):
-        for path in (REPO / "docs" / archive / "runs").glob("*.json"):
+        for path in (REPO / "results" / archive / "runs").glob("*.json"):
             run = json.loads(path.read_text())
             by_digest[run["result"]["config_digest"]].append(run)
     pairs = [runs for runs in by_digest.values() if len(runs) > 1]
