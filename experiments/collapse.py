@@ -17,7 +17,11 @@ Collapse is detected by the rule of ``postnorm.analysis.collapse``. Writes to DI
   and the tsim heatmap, with the transition window shaded (``postnorm.analysis.collapse_figures``);
 * ``<run>/thm38.json``: Thm 3.8 on the run's final checkpoint (``postnorm.analysis.thm38``), and
   that checkpoint's loss on the next ``--train_batches`` training batches;
-* ``summary.json`` and ``summary.md``: per run and per norm, and the wall times.
+* ``summary.json`` and ``summary.md``: per run and per norm, and the wall times;
+* ``table.md``: one line per run, the figures the docs quote (``headline_table``).
+
+``--report_only`` trains and measures nothing: it rewrites ``table.md`` from DIR's
+``summary.json``.
 """
 
 import copy
@@ -62,6 +66,8 @@ flags.DEFINE_integer("train_batches", 0, "With --thm38: also the final checkpoin
                      "nears L_freq slowly: within about 1% at 512 (default config, seeds 0-2).",
                      lower_bound=0)
 flags.DEFINE_integer("workers", 1, "Train the runs in this many CPU-pinned processes.")
+flags.DEFINE_bool("report_only", False, "Train nothing: rewrite --out_dir's table.md from its "
+                  "summary.json.")
 FLAGS = flags.FLAGS
 
 
@@ -234,11 +240,59 @@ def markdown(rows: list[dict], thm_rows: list[dict], wall: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _range(values: list[float] | None, spec: str) -> str:
+    """The least and the largest of ``values`` as a factor, "–" for None."""
+    if values is None:
+        return "–"
+    return f"{format(min(values), spec)}–{format(max(values), spec)}×"
+
+
+def headline_table(summary: dict) -> str:
+    """``table.md`` from a ``summary.json``: per run, loss over L_freq and over the floors, the
+    next training batches' loss where measured, the layers alike at the end, the collapse
+    verdict, and how far the early layers' gradient fell."""
+    thm = {r["run"]: r for r in summary["thm38"]}
+    batches = next((r["next_batches"] for r in summary["thm38"] if "next_batches" in r), None)
+    fresh = f"next {batches} batches" if batches else "next batches"
+    header = ["run", "train loss / L_freq", "/ floor of those batches",
+              f"{fresh}: loss / L_freq", "/ their floor", "eval loss / floor",
+              "layers at tsim ≥ 0.99, last step", "collapse step, window",
+              "early-layer ‖∂L/∂X‖ across the window (layers 0–3)", "last layer",
+              "early-layer ‖∂L/∂X‖, step 1 / last"]
+    rows = []
+    for run in summary["runs"]:
+        next_run = thm.get(run["run"], {})
+        fraction = run["fraction_tsim_ge_0.99_final"]
+        rows.append([
+            run["run"], cell(run["loss_over_lfreq"], ".3f"), cell(run["loss_over_floor"], ".3f"),
+            cell(next_run.get("next_loss_over_lfreq"), ".3f"),
+            cell(next_run.get("next_loss_over_floor"), ".3f"),
+            cell(run["eval_loss_over_floor"], ".3f"),
+            "–" if fraction is None else f"{fraction:.0%}",
+            (f"{run['collapse_step']}, [{run['window'][0]}, {run['window'][1]}]"
+             if run["collapsed"] else cell(run["collapsed"])),
+            _range(run["grad_ratio_early"], ".3g"),
+            "–" if run["grad_ratio_last"] is None else f"{run['grad_ratio_last']:.3g}×",
+            _range(run["grad_first_over_last_early"], ".3g")])
+    return "\n".join(markdown_table(header, rows)) + "\n"
+
+
+def write_table(out_dir: str, summary: dict) -> None:
+    write_bytes_atomic(os.path.join(out_dir, "table.md"), headline_table(summary).encode())
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if FLAGS.out_dir is None:
         raise app.UsageError("--out_dir is required")
+    if FLAGS.report_only:
+        path = os.path.join(FLAGS.out_dir, "summary.json")
+        if not os.path.exists(path):
+            raise app.UsageError(f"--report_only reads {path}, which does not exist")
+        with open(path) as f:
+            write_table(FLAGS.out_dir, from_text(json.load(f)))
+        return
     check_workers(FLAGS.workers)
     use_allocator(FLAGS.config.runtime.allocator)  # may re-execute this command
     start = time.perf_counter()
@@ -275,8 +329,9 @@ def main(argv: list[str]) -> None:
     wall = {"invocation_s": time.perf_counter() - start,
             "train_sum_s": float(sum(r["train_wall_s"] for r in rows))}
     by_norm = norm_summary(rows, norms)
-    write_json_atomic(os.path.join(out_dir, "summary.json"),
-                      {"runs": rows, "by_norm": by_norm, "thm38": thm_rows, "wall": wall})
+    summary = {"runs": rows, "by_norm": by_norm, "thm38": thm_rows, "wall": wall}
+    write_json_atomic(os.path.join(out_dir, "summary.json"), summary)
+    write_table(out_dir, summary)
     write_bytes_atomic(os.path.join(out_dir, "summary.md"), markdown(rows, thm_rows, wall).encode())
     print(markdown(rows, thm_rows, wall))
     print(dumps(by_norm, indent=2))

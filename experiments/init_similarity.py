@@ -38,11 +38,15 @@ fed as the layer-0 residual stream. Per layer it records tsim at every sublayer 
 With ``--init_tsim_target`` every arrangement's W_O gain is solved by the similarity-aware init
 (``postnorm.model.similarity_init``) first, and recorded.
 
-Writes ``layers.csv``, ``summary.json``, ``summary.md``, ``init_similarity.png`` and
+Writes ``layers.csv``, ``summary.json``, ``summary.md``, ``theory_table.md`` (each setting's figures
+of merit, one column per setting: ``theory_table``), ``init_similarity.png`` and
 ``arrangements.png`` (every arrangement, measured beside the mean-field prediction) to --out_dir.
+``--report_only`` computes nothing: it rewrites ``theory_table.md`` from --out_dir's
+``summary.json``.
 """
 
 import csv
+import json
 import os
 import resource
 import sys
@@ -64,7 +68,7 @@ from postnorm.config.list_flags import choice_list
 from postnorm.data import DataError, load_data
 from postnorm.data.errors import ShortSplitError
 from postnorm.errors import exit_on_error
-from postnorm.files import dumps, make_output_dir, write_json_atomic
+from postnorm.files import dumps, from_text, make_output_dir, write_bytes_atomic, write_json_atomic
 from postnorm.model import PLACEMENTS, ModelSpec
 from postnorm.model.initializers import embedding_init
 from postnorm.model.placements import init_gains
@@ -92,10 +96,13 @@ flags.DEFINE_float("init_tsim_target", 0.0, "The similarity-aware init's target 
 flags.DEFINE_float("init_tsim_input", 0.05, "The input token similarity the solve assumes "
                    "(model.init_tsim_input).")
 flags.DEFINE_enum("s_reading", "vo", list(theory.S_READINGS), "Reading of the amount s.")
+flags.DEFINE_bool("report_only", False, "Compute nothing: rewrite --out_dir's theory_table.md "
+                  "from its summary.json.")
 FLAGS = flags.FLAGS
 
 INPUTS = ("real", "gaussian")
 TABLE_ROWS = 12  # layers shown per markdown table
+THEORY_TABLE = "theory_table.md"
 
 
 def build_config(n_layers: int, seq_len: int, init: str, init_tsim_target: float = 0.0,
@@ -309,6 +316,81 @@ def _errors(found: dict) -> str:
 
 def _optional(fig: dict, value: str, layer: str) -> str:
     return f"{fig[value]:+.3f} ({fig[layer]})" if value in fig else "-"
+
+
+def _percent(fig: dict, value: str, layer: str | None = None, mean: str | None = None) -> str:
+    """A relative error in percent, with its layer and a mean |error| when given; "–" where the
+    setting did not measure it."""
+    if fig.get(value) is None:
+        return "–"
+    text = f"{fig[value] * 100:+.1f}%"
+    text += f" ({fig[layer]})" if layer else ""
+    return text + (f" / {fig[mean] * 100:.1f}%" if mean else "")
+
+
+def _percent_errors(found: dict) -> str:
+    """A ``compared`` record as worst (layer) / mean |error| / layers beyond 10%, in percent."""
+    if found["worst_layer"] is None:
+        return "–"
+    return (f"{found['worst_rel_err'] * 100:+.1f}% ({found['worst_layer']}) / "
+            f"{found['mean_abs_rel_err'] * 100:.1f}% / {found['layers_beyond_10pct']}")
+
+
+def _number(fig: dict, key: str, spec: str) -> str:
+    return "–" if fig.get(key) is None else format(fig[key], spec)
+
+
+THEORY_ROWS = (  # (label, cell of one setting's figures of merit)
+    ("tsim at the input", lambda f: _number(f, "tsim_in", ".4f")),
+    ("tsim after the last layer (± s.e.)",
+     lambda f: f"{f['tsim_final']:.4f} ± {f['tsim_final_se']:.4f}"),
+    ("the same, mean-field recursion", lambda f: _number(f, "meanfield_final", ".4f")),
+    ("the same, scalar (EC) closure", lambda f: _number(f, "scalar_final", ".4f")),
+    ("smallest direct Δattn (layers with Δattn ≤ 0)",
+     lambda f: f"{f['min_d_attn']:.2e} ({f['layers_d_attn_nonpositive']})"),
+    (r"±W Δattn vs the closed form at (t, s_inferred): worst (layer) / mean \|error\|",
+     lambda f: _percent(f, "worst_rel_err_attn_pm", "worst_layer_attn_pm",
+                        "mean_abs_rel_err_attn_pm")),
+    ("direct Δattn vs the same: worst (layer)",
+     lambda f: _percent(f, "worst_rel_err_attn_direct", "worst_layer_attn_direct")),
+    ("±W Δattn, attention forced to P (A1 exact): worst (layer)",
+     lambda f: _percent(f, "worst_rel_err_attn_pm_uniform", "worst_layer_attn_pm_uniform")),
+    ("closed-form error along the mean-field trajectory: worst (layer)",
+     lambda f: _percent(f, "worst_rel_err_attn_meanfield", "worst_layer_attn_meanfield")),
+    (r"\|ΔFFN\| / Δattn (±W): median (max)",
+     lambda f: f"{f['ffn_over_attn_median']:.3f} ({f['ffn_over_attn_max']:.3f})"),
+    ("FFN energy ratio ‖F‖²/‖X‖², mean over layers",
+     lambda f: _number(f, "xi_m1_measured_mean", ".5f")),
+    ("final tsim, ablation (A − P) V W_O", lambda f: _number(f, "ablation_tsim_final", ".4f")),
+    ("s_nominal at the first, last layer",
+     lambda f: f"{f['s_nominal_first']:.4f}, {f['s_nominal_last']:.4f}"),
+    ("s_inferred at the first, last layer",
+     lambda f: f"{f['s_inferred_first']:.4f}, {f['s_inferred_last']:.4f}"),
+    (r"±W Δattn vs the closed form at s_nominal: worst (layer) / mean \|error\| / layers "
+     "beyond 10%", lambda f: _percent_errors(f["attn_pm_vs_closed_s_nominal"])),
+    ("±W Δattn vs the exact Δ of the measured state at s_nominal",
+     lambda f: _percent_errors(f["attn_pm_vs_exact_s_nominal"])),
+    ("exact Δ vs the closed form, both at s_nominal (the EC assumption alone)",
+     lambda f: _percent_errors(f["attn_exact_vs_closed_s_nominal"])),
+    ("pairwise cosines' sd at the first, last layer (max)",
+     lambda f: f"{f['corr_sd_first']:.3f}, {f['corr_sd_last']:.3f} ({f['corr_sd_max']:.3f})"),
+    ("±W ΔFFN vs its closed form at the measured (t, ξ)",
+     lambda f: _percent_errors(f["ffn_pm_vs_closed"])),
+    ("ΔFFN within 10% of its closed form from layer",
+     lambda f: _number(f["ffn_pm_vs_closed"], "within_10pct_from_layer", "d")),
+)
+
+
+def theory_table(meta: dict) -> str:
+    """``theory_table.md`` from a ``summary.json``: the nominal amounts, then each setting's
+    figures of merit (``acceptance``), one column per setting."""
+    amounts, figures = meta["amounts"], dict(sorted(meta["figures"].items()))
+    lines = [f"Nominal s = {amounts['s']:.4f}, ξ = {amounts['xi']:.4f}, a = {amounts['a']:.4f}, "
+             f"ξ m(1) = {amounts['xi_m1']:.5f}; means over {meta['seeds']} seeds.", ""]
+    lines += markdown_table([""] + list(figures),
+                            [[label] + [value(fig) for fig in figures.values()]
+                             for label, value in THEORY_ROWS])
+    return "\n".join(lines) + "\n"
 
 
 def write_markdown(path: str, meta: dict, results: dict, figures: dict) -> None:
@@ -542,6 +624,14 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if FLAGS.out_dir is None:
         raise app.UsageError("--out_dir is required")
+    if FLAGS.report_only:
+        path = os.path.join(FLAGS.out_dir, "summary.json")
+        if not os.path.exists(path):
+            raise app.UsageError(f"--report_only reads {path}, which does not exist")
+        with open(path) as f:
+            meta = from_text(json.load(f))
+        write_bytes_atomic(os.path.join(FLAGS.out_dir, THEORY_TABLE), theory_table(meta).encode())
+        return
     norms = choice_list("norms", FLAGS.norms, tuple(PLACEMENTS))
     inputs = choice_list("inputs", FLAGS.inputs, INPUTS)
     config = build_config(FLAGS.n_layers, FLAGS.seq_len, FLAGS.init, FLAGS.init_tsim_target,
@@ -572,6 +662,7 @@ def main(argv: list[str]) -> None:
     write_csv(os.path.join(FLAGS.out_dir, "layers.csv"), results)
     write_json_atomic(os.path.join(FLAGS.out_dir, "summary.json"), meta)
     write_markdown(os.path.join(FLAGS.out_dir, "summary.md"), meta, results, figures)
+    write_bytes_atomic(os.path.join(FLAGS.out_dir, THEORY_TABLE), theory_table(meta).encode())
     plot(os.path.join(FLAGS.out_dir, "init_similarity.png"), results)
     plot_arrangements(os.path.join(FLAGS.out_dir, "arrangements.png"), results,
                       FLAGS.init_tsim_target)
