@@ -3,6 +3,7 @@
     python -m experiments.sweep --sweep configs/sweeps/stability.py --out_dir DIR [--shard i/n]
         [--workers N] [--override key=value ...] [--report_only] [--archive A]
         [--fresh_batches N] [--skip_archived A2,...]
+    python -m experiments.sweep --out_dir DIR --from_summary
 
 Every run's config is built and validated before the first run starts; a bad sweep file or
 field stops the command with exit 2 and one line naming the run. Each run trains into
@@ -37,17 +38,23 @@ finished runs found in DIR:
   runs with the leaderboard; ``experiments.training_methods`` reads both archives);
 * ``stability_map.png``: per norm placement a depth x lr grid coloured by final loss / L_freq,
   collapsed cells marked C in a red frame, diverged cells marked x, missing ones left blank;
-  drawn when the sweep varies depth and lr, and nothing but them and the norm placement.
+  drawn when the sweep varies depth and lr, and nothing but them and the norm placement;
+* ``pivot.md``: the map as a table (``postnorm.sweep.summary.pivot_table``), drawn with it.
+
+``--from_summary`` reads neither the sweep nor its runs: it rewrites ``pivot.md`` from
+``DIR/summary.json`` alone (as committed, without the run directories).
 """
 
 import functools
+import json
+import os
 
 from absl import app, flags, logging
 
 from postnorm.analysis.run_measures import run_measures
 from postnorm.config.args import field_path, parse_flags
 from postnorm.errors import exit_on_error
-from postnorm.files import dumps, make_output_dir
+from postnorm.files import dumps, from_text, make_output_dir
 from postnorm.runtime.allocator import use_allocator
 from postnorm.sweep.archive import archive_finished, archived_runs, first_records
 from postnorm.sweep.plan import (
@@ -59,7 +66,7 @@ from postnorm.sweep.plan import (
     shard,
 )
 from postnorm.sweep.runner import planned_configs, run_sweep, run_workdirs
-from postnorm.sweep.summary import write_summary
+from postnorm.sweep.summary import MAP_AXES, write_pivot, write_summary
 from postnorm.sweep.workers import check_workers
 
 flags.DEFINE_string("sweep", None, "Sweep file, e.g. configs/sweeps/stability.py[:smoke].")
@@ -77,6 +84,8 @@ flags.DEFINE_integer("fresh_batches", 0, "With --archive: measure each finished 
 flags.DEFINE_list("skip_archived", [], "Other sweeps' archives: a run whose config one of them "
                   "records is not trained here (its record stays there; tables that read both "
                   "archives, such as experiments.training_methods, find it).")
+flags.DEFINE_bool("from_summary", False, "Read only --out_dir's summary.json (no --sweep, no "
+                  "runs): rewrite pivot.md from it.")
 FLAGS = flags.FLAGS
 
 
@@ -100,9 +109,27 @@ def process_allocator(base_config: str, specs: list[RunSpec], extra: dict[str, s
     return build_config(base_config, specs[0], extra).runtime.allocator
 
 
+def pivot_from_summary(out_dir: str) -> None:
+    """``out_dir/pivot.md`` from ``out_dir/summary.json``: one run per map cell required."""
+    path = os.path.join(out_dir, "summary.json")
+    if not os.path.exists(path):
+        raise app.UsageError(f"--from_summary reads {path}, which does not exist")
+    with open(path) as f:
+        rows = from_text(json.load(f))
+    cells = [tuple(row.get(axis) for axis in MAP_AXES) for row in rows]
+    if None in {v for c in cells for v in c} or len(set(cells)) < len(cells):
+        raise app.UsageError(f"{path}: no pivot: it needs one run per {', '.join(MAP_AXES)}")
+    write_pivot(out_dir, rows)
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if FLAGS.from_summary:
+        if FLAGS.out_dir is None:
+            raise app.UsageError("--from_summary rewrites --out_dir's pivot.md: give --out_dir")
+        pivot_from_summary(FLAGS.out_dir)
+        return
     if FLAGS.sweep is None or FLAGS.out_dir is None:
         raise app.UsageError("--sweep and --out_dir are required")
     if bad := [item for item in FLAGS.override if "=" not in item]:

@@ -9,8 +9,8 @@ The rule (``CollapseRule``; defaults in brackets), evaluated on the diagnostic s
   cross-entropy, where the objective adds terms to it) logged at or before the step (as
   ``run_summary``'s final loss), and the floor is the mean of the same batches' frequency
   floors (``postnorm.data.lfreq``): what a model predicting the unigram distribution scores on
-  exactly those batches. One batch's floor scatters around L_freq by
-  0.4-0.6 nats on the default corpus, more than the tolerance (0.29 nats at L_freq = 5.87).
+  exactly those batches. One batch's floor scatters around L_freq by more than the tolerance
+  on the default corpus (results/figures/batch_floors/table.md).
   Records without floors (older runs) are compared with L_freq.
 * The run **collapsed** when its last diagnostic step meets the criterion. The **collapse step**
   is the first diagnostic step from which every later diagnostic step meets it, so a transient

@@ -7,8 +7,9 @@ document, as in the packed stream).
 
 On one batch, the same model's loss is the batch's **frequency floor**, the mean of -log p(y)
 over its targets. Its mean over batches is L_freq, but one batch of the default corpus scatters
-around it by about 0.4-0.6 nats, so a collapsed run's loss is compared with the floor of the
-batches it was measured on.
+around it by more than the collapse rule's tolerance (``experiments/batch_floors.py``,
+results/figures/batch_floors/table.md), so a collapsed run's loss is compared with the floor of
+the batches it was measured on.
 """
 
 import dataclasses

@@ -1,5 +1,5 @@
-"""A sweep's table (``summary.json``, ``summary.md``) and stability map, from every run of the
-plan found finished in its directory."""
+"""A sweep's table (``summary.json``, ``summary.md``) and stability map (``stability_map.png``
+and, as a table, ``pivot.md``), from every run of the plan found finished in its directory."""
 
 import os
 
@@ -131,6 +131,36 @@ def stability_map(rows: list[dict], path: str, axes: tuple[str, str, str] = MAP_
     return path
 
 
+def pivot_table(rows: list[dict]) -> str:
+    """``pivot.md``: the stability map as a table, a line per (placement, depth) and a column per
+    lr. A done cell holds its final loss / L_freq, **C** and the collapse step when collapsed;
+    another its status ("x" for a non-finite stop); "–" where the plan has no run."""
+    row_key, col_key, panel_key = MAP_AXES
+    cells = {(r[panel_key], r[row_key], r[col_key]): r for r in rows}
+    col_vals = sorted({r[col_key] for r in rows})
+    lines = sorted({(r[panel_key], r[row_key]) for r in rows})
+
+    def text(r: dict | None) -> str:
+        if r is None or r["status"] not in ("done", "nonfinite"):
+            return "–" if r is None else r["status"]
+        if r["status"] == "nonfinite":
+            return "x"
+        value = cell(r.get("loss_over_lfreq"), ".3f")
+        if r.get("skipped_steps"):
+            value += f" ({r['skipped_steps']} skipped)"
+        return f"**C** {value} (step {r['collapse_step']})" if r.get("collapsed") else value
+
+    header = ["final train loss / L_freq (collapsed by the rule: **C**; x: non-finite)",
+              *(f"lr {v:g}" for v in col_vals)]
+    body = [[f"{panel}, {depth} layers", *(text(cells.get((panel, depth, v))) for v in col_vals)]
+            for panel, depth in lines]
+    return "\n".join(markdown_table(header, body)) + "\n"
+
+
+def write_pivot(out_dir: str, rows: list[dict]) -> None:
+    write_bytes_atomic(os.path.join(out_dir, "pivot.md"), pivot_table(rows).encode())
+
+
 def write_summary(base_config: str, specs: list[RunSpec], out_dir: str,
                   extra: dict[str, str], workdirs: list[str] | None = None,
                   archived: list[dict | None] | None = None) -> list[dict]:
@@ -164,9 +194,11 @@ def write_summary(base_config: str, specs: list[RunSpec], out_dir: str,
     varied = set(varied_fields(specs))
     if set(MAP_AXES[:2]) <= varied <= set(MAP_AXES):
         stability_map(rows, map_path)
+        write_pivot(out_dir, rows)
     else:
         logging.info("no stability map: it needs a sweep over %s and %s (and optionally %s) "
                      "only; this one varies %s", *MAP_AXES, sorted(varied))
-        if os.path.exists(map_path):
-            os.remove(map_path)
+        for path in (map_path, os.path.join(out_dir, "pivot.md")):
+            if os.path.exists(path):
+                os.remove(path)
     return rows

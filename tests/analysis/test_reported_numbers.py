@@ -378,7 +378,8 @@ from postnorm.config.args import parse_flags
 
 # floor of the batch of step s (1-based) is s**2; no data is read
 bf.floors_per_step = lambda config, seed, steps: np.arange(1, steps + 1, dtype=float) ** 2
-bf.load_data = lambda data, **kw: types.SimpleNamespace(lfreq=5.0)
+bf.load_data = lambda data, **kw: types.SimpleNamespace(
+    lfreq=5.0, fingerprint="0" * 64, tokenizer=types.SimpleNamespace(vocab_size=300), info={})
 bf.check_data_config = lambda data: None
 out = io.StringIO()
 with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):

@@ -54,11 +54,19 @@ def test_init_similarity_outputs_agree(tmp_path):
 def test_batch_floors_counts_the_first_logged_step(tmp_path):
     flag = config_flag(write_corpus(tmp_path / "corpus"), tmp_path / "tfds", train__steps=20,
                        train__log_every=10)
-    result = run_module("experiments.batch_floors", "--config", flag)
+    result = run_module("experiments.batch_floors", "--config", flag, "--next=4",
+                        f"--out_dir={tmp_path / 'out'}")
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout[result.stdout.index("{\n"):]  # after TFDS's preparation lines
     seed = json.loads(output)["seeds"]["0"]
     assert seed["last_logged_steps"] == [1, 10, 20]  # the trainer logs step 1 too
+    # --out_dir: the same statistics with every step's floor, and their table
+    written = json.loads((tmp_path / "out" / "summary.json").read_text())["seeds"]["0"]
+    assert len(written.pop("floors")) == 20 and written == seed
+    table = (tmp_path / "out" / "table.md").read_text().splitlines()
+    assert table[0] == ("| data order (seed) | mean floor, steps 1–20 | sd per batch | range | "
+                        "mean of steps 1/10/20 | mean of the next 4 batches |")
+    assert table[2].startswith(f"| 0 | {seed['mean']:.3f} | {seed['sd']:.3f} | ")
 
 
 @pytest.mark.slow
@@ -184,6 +192,12 @@ def test_attention_core_check_fails_on_a_wrong_gradient():
     ("experiments.repair_study", ["--runs_under=/nonexistent", "--out_dir=/tmp/unused"], 2,
      "postnorm: error: no finished Post-Norm run without another remedy"),
     ("experiments.batch_floors", ["--seeds="], 1, "--seeds=: give one or more values, each once"),
+    ("experiments.batch_floors", ["--report_only"], 1,
+     "--report_only rewrites --out_dir's table.md: give --out_dir"),
+    ("experiments.batch_floors", ["--out_dir=/nonexistent", "--report_only"], 1,
+     "--report_only reads /nonexistent/summary.json, which does not exist"),
+    ("experiments.sweep", ["--out_dir=/nonexistent", "--from_summary"], 1,
+     "--from_summary reads /nonexistent/summary.json, which does not exist"),
     ("experiments.init_similarity", ["--out_dir=/tmp/unused", "--norms=post,post"], 1,
      "--norms=post,post: give one or more values, each once"),
     ("experiments.collapse", ["--out_dir=/dev/null/x", "--steps=2"], 2,

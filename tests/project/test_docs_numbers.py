@@ -10,9 +10,14 @@ import sys
 
 import numpy as np
 import pytest
+import sentencepiece as spm
 
+from configs.default import get_config
 from configs.sweeps.training_methods import FIELDS, run_name
+from postnorm.data import load_data
+from postnorm.diagnostics.early_warning import DEFAULT_RULE
 from tests.committed import REL_TOL, assert_json_matches, assert_text_matches
+from tests.data.test_lm_data import independent_lfreq, train_texts
 from tests.reliability_helpers import REPO, subprocess_env
 
 EARLY_WARNING = REPO / "results" / "figures" / "early_warning"
@@ -258,6 +263,109 @@ def test_the_stability_map_replay_matches_its_json():
     assert all(r["first_warn"] is None for r in runs if r["method"] == "pre" or r["n_layers"] == 12)
 
 
+def test_the_batch_floor_table_is_its_summary_tabulated(tmp_path):
+    """docs/RESULTS.md includes results/figures/batch_floors/table.md verbatim, which
+    ``experiments.batch_floors --report_only`` rewrites from summary.json; the summary's
+    statistics are its per-step floors', and those floors are the batches' unigram
+    cross-entropy, recomputed here from the data pipeline's batches and a sentencepiece
+    encoding of the training documents."""
+    figures = REPO / "results" / "figures" / "batch_floors"
+    table = _report_only("experiments.batch_floors", figures, tmp_path, "table.md")
+    assert table.strip() in (REPO / "docs" / "RESULTS.md").read_text()
+    summary = json.loads((figures / "summary.json").read_text())
+    steps = summary["steps"]
+    for seed in summary["seeds"].values():
+        floors = np.asarray(seed["floors"])
+        assert len(floors) == steps
+        assert [seed[k] for k in ("mean", "sd", "min", "max", "mean_last_logged")] == \
+            pytest.approx([floors.mean(), floors.std(ddof=1), floors.min(), floors.max(),
+                           floors[np.asarray(seed["last_logged_steps"]) - 1].mean()],
+                          rel=REL_TOL)
+        # one batch's floor varies more than the collapse rule's tolerance around L_freq
+        assert seed["sd"] > DEFAULT_RULE.loss_rtol * summary["lfreq"]
+    # the unigram distribution of the training targets: every document's tokens and its EOS
+    config = get_config()
+    data = load_data(config.data, seed=1)
+    sp = spm.SentencePieceProcessor(model_file=data.info["tokenizer"]["path"])
+    texts = train_texts(data)
+    stream = np.concatenate([np.append(ids, sp.eos_id()) for ids in sp.encode(texts)])
+    tokens, counts = np.unique(stream, return_counts=True)
+    neg_log_p = dict(zip(tokens.tolist(), (-np.log(counts / counts.sum())).tolist(),
+                         strict=True))
+    assert summary["data"] == {"fingerprint": data.fingerprint, "vocab_size": sp.get_piece_size(),
+                               "corpus_bytes": data.info["corpus_bytes"]}
+    assert summary["lfreq"] == pytest.approx(independent_lfreq(texts, sp.encode, sp.eos_id()),
+                                             rel=1e-9)
+    # data order 1 (not the default 0): the first two batches and the last
+    batches = data.train_iterator(batch_size=config.data.batch_size, seed=1)
+    for step, batch in enumerate(batches, start=1):
+        if step in (1, 2, steps):
+            targets = np.asarray(batch["targets"]).ravel().tolist()
+            assert summary["seeds"]["1"]["floors"][step - 1] == pytest.approx(
+                np.mean([neg_log_p[t] for t in targets]), rel=1e-9), step
+        if step == steps:
+            break
+
+
+def test_the_stability_pivot_is_its_summary_tabulated(tmp_path):
+    """docs/RESULTS.md includes results/figures/stability/pivot.md verbatim, which
+    ``experiments.sweep --from_summary`` rewrites from summary.json; each cell's verdict and
+    collapse step are the replays' of the map's runs, the (48, 1e-3) cells are the three-seed
+    study's seed-0 runs, and the prose's reading of the map holds."""
+    figures = REPO / "results" / "figures" / "stability"
+    out = tmp_path / "stability"
+    out.mkdir()
+    shutil.copy(figures / "summary.json", out)
+    result = subprocess.run([sys.executable, "-m", "experiments.sweep", f"--out_dir={out}",
+                             "--from_summary"], cwd=REPO, capture_output=True, text=True,
+                            timeout=600, env=subprocess_env(None))
+    assert result.returncode == 0, result.stderr[-3000:]
+    pivot = (figures / "pivot.md").read_text()
+    assert_text_matches((out / "pivot.md").read_text(), pivot)
+    assert pivot.strip() in (REPO / "docs" / "RESULTS.md").read_text()
+    rows = {(r["model.norm"], r["model.n_layers"], r["opt.lr"]): r
+            for r in json.loads((figures / "summary.json").read_text())}
+    assert len(rows) == 18 and all(r["status"] == "done" for r in rows.values())
+    for r in rows.values():
+        assert r["loss_over_lfreq"] == pytest.approx(r["final_train_loss"] / r["lfreq"],
+                                                     rel=REL_TOL)
+    replays = [r for name in ("replay_stability_partial", "replay_stability_last_cell")
+               for r in json.loads((EARLY_WARNING / f"{name}.json").read_text())["runs"]]
+    assert sorted((r["method"], r["n_layers"], r["lr"]) for r in replays) == sorted(rows)
+    for r in replays:
+        row = rows[(r["method"], r["n_layers"], r["lr"])]
+        assert (row["collapsed"], row["collapse_step"]) == (r["collapsed"], r["collapse_step"])
+    three_seeds = {r["run"]: r for r in json.loads(
+        (REPO / "results" / "figures" / "collapse3" / "summary.json").read_text())["runs"]}
+    for norm in ("post", "pre"):
+        # the same run, its loss averaged in float32 there and float64 here
+        run, row = three_seeds[f"{norm}_seed0"], rows[(norm, 48, 1e-3)]
+        assert row["final_train_loss"] == pytest.approx(run["final_train_loss"], rel=1e-6)
+        assert row["collapse_step"] == run["collapse_step"]
+    lrs, depths = (3e-4, 1e-3, 3e-3), (12, 24, 48)
+    # Post collapses only at high depth and lr (a collapsed cell's deeper and higher-lr
+    # neighbours collapse too), Pre never, and a higher lr always lowers Pre's loss
+    for (norm, n, lr), r in rows.items():
+        assert not (r["collapsed"] and norm == "pre")
+        if r["collapsed"]:
+            assert all(rows[(norm, m, x)]["collapsed"] for m in depths for x in lrs
+                       if m >= n and x >= lr)
+    assert any(r["collapsed"] for r in rows.values())
+    for n in depths:
+        losses = [rows[("pre", n, lr)]["loss_over_lfreq"] for lr in lrs]
+        assert losses == sorted(losses, reverse=True)
+    # at 12 layers Post and Pre train alike: closer than any lr step moves either
+    for lr in lrs:
+        gap = abs(rows[("post", 12, lr)]["loss_over_lfreq"] - rows[("pre", 12, lr)]
+                  ["loss_over_lfreq"])
+        assert all(gap < abs(rows[(norm, 12, a)]["loss_over_lfreq"]
+                             - rows[(norm, 12, b)]["loss_over_lfreq"])
+                   for norm in ("post", "pre") for a, b in zip(lrs[:-1], lrs[1:], strict=True))
+    # at lr 3e-4 no cell collapses and every one is still above L_freq
+    assert all(not rows[(norm, n, 3e-4)]["collapsed"] and rows[(norm, n, 3e-4)]
+               ["loss_over_lfreq"] > 1 for norm in ("post", "pre") for n in depths)
+
+
 LEADERBOARD = REPO / "results" / "leaderboard"
 
 
@@ -325,8 +433,6 @@ def test_the_repair_section_matches_its_runs():
     archive record's, its pairs' ratios are its runs', and docs/METHODS.md includes
     summary.md's table of repaired over plain runs verbatim. (experiments.repair_study is not
     imported: its absl flags would clash with other commands' in a test worker.)"""
-    from postnorm.diagnostics.early_warning import DEFAULT_RULE
-
     figures = REPO / "results" / "figures" / "repair"
     summary = json.loads((figures / "summary.json").read_text())
     committed = (figures / "summary.md").read_text()

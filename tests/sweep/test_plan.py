@@ -281,6 +281,10 @@ def test_summary_table_and_stability_map(tmp_path):
         "| run_id | model.n_layers | model.norm | opt.lr | train.steps | status |")
     assert len(table.splitlines()) == 2 + 18
     assert (tmp_path / "stability_map.png").read_bytes()[:4] == b"\x89PNG"
+    # the map as a table: a line per (placement, depth), a cell per lr, each run's status
+    pivot = (tmp_path / "pivot.md").read_text().splitlines()
+    cells = [c.strip() for line in pivot[2:] for c in line.strip("|").split("|")[1:]]
+    assert len(pivot) == 2 + 6 and sorted(cells) == ["missing"] * 15 + ["stale"] * 3
 
 
 def test_summary_reads_old_and_damaged_config_files_and_draws_a_map_only_for_its_axes(
@@ -301,6 +305,7 @@ def test_summary_reads_old_and_damaged_config_files_and_draws_a_map_only_for_its
     seeds = sweep.plan([{**dict(s.overrides), "seed": seed} for s in specs[:4] for seed in (0, 1)])
     rows = sweep_summary.write_summary(base, seeds, str(tmp_path), {})
     assert len(rows) == 8 and not (tmp_path / "stability_map.png").exists()
+    assert not (tmp_path / "pivot.md").exists()
 
 
 @pytest.mark.slow
@@ -411,6 +416,22 @@ def test_a_run_that_skipped_steps_is_reported_with_its_skips_and_nan_loss(tmp_pa
     json.loads((tmp_path / "summary.json").read_text(),
                parse_constant=lambda c: pytest.fail(f"bare {c} in summary.json"))
     assert (tmp_path / "stability_map.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_pivot_marks_collapse_skipped_steps_stops_and_unplanned_cells():
+    def row(norm, layers, lr, status, **result):
+        return {"model.norm": norm, "model.n_layers": layers, "opt.lr": lr, "status": status,
+                **result}
+
+    rows = [row("post", 24, 1e-3, "nonfinite"),
+            row("post", 12, 3e-3, "done", loss_over_lfreq=1.2, collapsed=False, skipped_steps=2),
+            row("post", 12, 1e-3, "done", loss_over_lfreq=0.98765, collapsed=True,
+                collapse_step=210, skipped_steps=0)]
+    assert sweep_summary.pivot_table(rows).splitlines() == [
+        "| final train loss / L_freq (collapsed by the rule: **C**; x: non-finite) | lr 0.001 "
+        "| lr 0.003 |", "|---|---|---|",
+        "| post, 12 layers | **C** 0.988 (step 210) | 1.200 (2 skipped) |",
+        "| post, 24 layers | x | – |"]
 
 
 def test_the_colour_range_ignores_stopped_runs_whatever_their_order():
