@@ -16,11 +16,34 @@ prevented the collapse on the 300-step board or is a published baseline in its p
 same without clipping (the stress test) after. A method's own clipping (B2T's 0.1) is part of
 the method and stays in the clipped half.
 
+The bracket grows by itself: where a method's best clipped rate (the lowest held-out loss of
+its finished runs in ``ARCHIVE``) is the lowest or the highest rate tried, the next half-decade
+beyond it is planned, so the optimum ends inside the grid (``bracket_rates``).
+
+Variant ``survival``: 48 layers, ``LONG_STEPS`` steps, seeds 0-2, each of ``SURVIVAL_METHODS``
+at its best clipped bracket rate, planned once that rate is inside its bracket (Post-Norm with
+the bracket's long warmup): which 300-step verdicts survive ten times more training?
+
+Variant ``width``: one width step, d = 128 (head dim 32) at 48 layers for ``WIDTH_STEPS`` steps,
+seeds 0-1: Post, Pre and the two methods of ``SURVIVAL_METHODS`` with the lowest mean held-out
+loss in the survival runs, each at its d = 64 best rate (not tuned again), planned once every
+survival run is archived.
+
+What is cut, and why (sized to about 1.5 days of the 2-core host at ~0.9 s per 48-layer step
+and ~0.3 s per 12-layer step): the bracket runs seed 0 only and 300 steps; the stress half
+(unclipped) only at the base rates; survival covers the published baselines and the methods
+that prevented the collapse, not the ones that collapsed on the screen; the width step is
+1,000 steps and two seeds.
+
 Variant ``calibration``: Post-Norm against Pre-Norm at 12 layers, where neither collapses at 300
 steps, for ``LONG_STEPS`` steps (about 0.9 epochs of the embedded corpus's 6.8M training tokens
 at batch 16 x 128), lr {1e-3, 3e-3, 1e-2}, seeds 0-2: does the toy reproduce the literature's
 ordering (Post-Norm, when it trains, at least as good as Pre-Norm)?
 """
+
+import json
+import math
+import os
 
 from configs.sweeps.leaderboard import ALL_METHODS, METHOD_FIELDS
 
@@ -40,7 +63,14 @@ SCREEN_STEPS = 300
 BRACKET_LRS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
 LONG_WARMUP_FRACTION = 1 / 3
 BRACKET_METHODS = ("pre", "post", "mixln", "sandwich", "periln", "post_budget_scale",
-                   "post_budget_penalty", "adaptive_two_way", "b2t", "deepnorm", "admin")
+                   "post_budget_penalty", "adaptive", "b2t", "deepnorm", "admin")
+SURVIVAL_METHODS = ("post", "pre", "mixln", "sandwich", "periln", "adaptive", "deepnorm", "b2t",
+                    "admin")
+WIDTH_STEPS = 1000
+WIDTH_SEEDS = (0, 1)
+WIDTH_D_MODEL = 128  # head dim 32 with the default 4 heads; d_ff = 3 d as in the default
+ARCHIVE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "results", "protocol", "runs")
 
 
 def protocol(steps: int, warmup_fraction: float = WARMUP_FRACTION,
@@ -86,14 +116,81 @@ def _method(method: str) -> dict[str, object]:
     return {**defaults, **ALL_METHODS[method]}
 
 
-def _bracket() -> list[dict[str, object]]:
-    def run(method: str, lr: float, clip: float) -> dict[str, object]:
-        warmup = LONG_WARMUP_FRACTION if method == "post" else WARMUP_FRACTION
-        fields = {**protocol(SCREEN_STEPS, warmup), **_method(method),
-                  "model.n_layers": 48, "opt.lr": lr, "seed": 0}
-        return {**fields, "opt.clip_norm": clip} if clip != CLIP else fields
-    return [run(method, lr, clip) for clip in (CLIP, 0.0) for method in BRACKET_METHODS
-            for lr in BRACKET_LRS]
+def _bracket_run(method: str, lr: float, clip: float = CLIP) -> dict[str, object]:
+    warmup = LONG_WARMUP_FRACTION if method == "post" else WARMUP_FRACTION
+    fields = {**protocol(SCREEN_STEPS, warmup), **_method(method),
+              "model.n_layers": 48, "opt.lr": lr, "seed": 0}
+    return {**fields, "opt.clip_norm": clip} if clip != CLIP else fields
+
+
+def archived_losses(archive_dir: str, plan: list[dict[str, object]]) -> dict[str, float]:
+    """Held-out loss at the end of each run of ``plan`` recorded in ``archive_dir``, by run id
+    (infinite for a run stopped by a non-finite step); runs not recorded are absent."""
+    losses = {}
+    for overrides in plan:
+        path = os.path.join(archive_dir, f"{run_name(overrides)}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                result = json.load(f)["result"]
+            done = result["status"] == "done" and result.get("final_eval_loss") is not None
+            losses[run_name(overrides)] = result["final_eval_loss"] if done else math.inf
+    return losses
+
+
+def bracket_rates(method: str, archive_dir: str) -> tuple[list[float], float | None]:
+    """The clipped bracket's rates for ``method`` (``BRACKET_LRS``, grown by a half-decade past
+    an edge that holds the lowest held-out loss) and its best rate: the rate of the lowest loss
+    once every rate is archived and that rate is inside the grid, else None."""
+    rates = sorted(BRACKET_LRS)
+    while True:
+        losses = archived_losses(archive_dir, [_bracket_run(method, lr) for lr in rates])
+        if len(losses) < len(rates):
+            return rates, None
+        by_rate = [losses[run_name(_bracket_run(method, lr))] for lr in rates]
+        best = min(range(len(rates)), key=by_rate.__getitem__)
+        if not math.isfinite(by_rate[best]):
+            return rates, None
+        if 0 < best < len(rates) - 1:
+            return rates, rates[best]
+        edge = rates[best]
+        grown = float(f"{edge * 10 ** (0.5 if best else -0.5):.1g}")
+        rates = sorted({*rates, grown})
+
+
+def _bracket(archive_dir: str) -> list[dict[str, object]]:
+    clipped = [_bracket_run(method, lr) for method in BRACKET_METHODS
+               for lr in bracket_rates(method, archive_dir)[0]]
+    stress = [_bracket_run(method, lr, 0.0) for method in BRACKET_METHODS for lr in BRACKET_LRS]
+    return clipped + stress
+
+
+def _long_run(method: str, lr: float, seed: int, steps: int = LONG_STEPS,
+              **extra: object) -> dict[str, object]:
+    warmup = LONG_WARMUP_FRACTION if method == "post" else WARMUP_FRACTION
+    return {**protocol(steps, warmup), **_method(method), "model.n_layers": 48, "opt.lr": lr,
+            "seed": seed, **extra}
+
+
+def _survival(archive_dir: str) -> list[dict[str, object]]:
+    best = {method: bracket_rates(method, archive_dir)[1] for method in SURVIVAL_METHODS}
+    return [_long_run(method, lr, seed) for seed in SEEDS for method, lr in best.items()
+            if lr is not None]
+
+
+def _width(archive_dir: str) -> list[dict[str, object]]:
+    survival = _survival(archive_dir)
+    losses = archived_losses(archive_dir, survival)
+    if len(survival) < len(SURVIVAL_METHODS) * len(SEEDS) or len(losses) < len(survival):
+        return []
+    mean_loss = {}
+    for overrides in survival:
+        mean_loss.setdefault(method_of(overrides), []).append(losses[run_name(overrides)])
+    ranked = sorted((m for m in mean_loss if m not in ("post", "pre")),
+                    key=lambda m: sum(mean_loss[m]) / len(mean_loss[m]))
+    width = {"model.d_model": WIDTH_D_MODEL, "model.d_ff": 3 * WIDTH_D_MODEL}
+    return [_long_run(method, lr, seed, WIDTH_STEPS, **width) for seed in WIDTH_SEEDS
+            for method in ("post", "pre", *ranked[:2])
+            for lr in [bracket_rates(method, archive_dir)[1]]]
 
 
 def _calibration() -> list[dict[str, object]]:
@@ -107,5 +204,10 @@ def get_sweep(arg: str | None = None) -> list[dict[str, object]]:
     if arg == "calibration":
         return _calibration()
     if arg == "bracket":
-        return _bracket()
-    raise ValueError(f"unknown sweep variant {arg!r}; known: bracket, calibration")
+        return _bracket(ARCHIVE)
+    if arg == "survival":
+        return _survival(ARCHIVE)
+    if arg == "width":
+        return _width(ARCHIVE)
+    raise ValueError(f"unknown sweep variant {arg!r}; known: bracket, calibration, survival, "
+                     "width")

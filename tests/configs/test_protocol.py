@@ -1,6 +1,7 @@
 """The long-horizon protocol's plan (configs/sweeps/protocol.py): every run builds, is named
 once, and clips, warms up and evaluates as the protocol states."""
 
+import json
 import math
 
 import pytest
@@ -46,3 +47,68 @@ def test_the_bracket_rates_are_half_decades_over_a_factor_of_100():
     rates = sorted(protocol.BRACKET_LRS)
     steps = [math.log10(b / a) for a, b in zip(rates, rates[1:], strict=False)]
     assert all(abs(s - 0.5) < 0.03 for s in steps) and len(rates) >= 5
+
+
+def _archive(tmp_path, losses_by_run: dict) -> str:
+    """An archive holding, per run id, a finished run with that held-out loss (None: a run
+    stopped by a non-finite step)."""
+    for run_id, loss in losses_by_run.items():
+        result = ({"status": "nonfinite", "final_eval_loss": None} if loss is None
+                  else {"status": "done", "final_eval_loss": loss})
+        (tmp_path / f"{run_id}.json").write_text(json.dumps({"result": result}))
+    return str(tmp_path)
+
+
+def _bracket_id(method: str, lr: float) -> str:
+    return protocol.run_name(protocol._bracket_run(method, lr))
+
+
+def test_the_bracket_grows_past_an_edge_optimum_until_it_is_inside(tmp_path):
+    """Losses falling with the rate put the optimum at the top edge: the next half-decade is
+    planned, and once its loss is higher the best rate is the old edge, now interior."""
+    rates = sorted(protocol.BRACKET_LRS)
+    archive = _archive(tmp_path, {_bracket_id("pre", lr): 6.0 - i for i, lr in enumerate(rates)})
+    grown, best = protocol.bracket_rates("pre", archive)
+    assert best is None and len(grown) == len(rates) + 1
+    assert math.log10(grown[-1] / rates[-1]) == pytest.approx(0.5, abs=0.03)
+    _archive(tmp_path, {_bracket_id("pre", grown[-1]): 9.0})
+    assert protocol.bracket_rates("pre", archive) == (grown, rates[-1])
+    # a method missing a rate, or whose best run diverged, has no best rate yet
+    assert protocol.bracket_rates("mixln", archive)[1] is None
+    _archive(tmp_path, {_bracket_id("sandwich", lr): None for lr in rates})
+    assert protocol.bracket_rates("sandwich", archive) == (rates, None)
+    # the bracket plans the grown rate for pre only, clipped
+    plan = protocol._bracket(archive)
+    assert len(plan) == 2 * len(protocol.BRACKET_METHODS) * len(rates) + 1
+    assert _bracket_id("pre", grown[-1]) in {protocol.run_name(o) for o in plan}
+
+
+def test_survival_and_width_are_planned_from_the_archived_best_rates(tmp_path):
+    rates = sorted(protocol.BRACKET_LRS)
+    losses = {}
+    for k, method in enumerate(protocol.SURVIVAL_METHODS):
+        best = rates[1 + k % 3]  # interior, varying by method
+        losses |= {_bracket_id(method, lr): 5.0 + abs(math.log10(lr / best)) for lr in rates}
+    archive = _archive(tmp_path, losses)
+    survival = protocol._survival(archive)
+    assert len(survival) == len(protocol.SURVIVAL_METHODS) * len(protocol.SEEDS)
+    for overrides in survival:
+        k = protocol.SURVIVAL_METHODS.index(protocol.method_of(overrides))
+        assert overrides["opt.lr"] == rates[1 + k % 3]
+        assert overrides["train.steps"] == protocol.LONG_STEPS
+        assert overrides["model.n_layers"] == 48
+    assert protocol._width(archive) == []  # no survival run archived yet
+    # every survival run archived: the two non-reference methods of lowest mean loss get width
+    order = [m for m in protocol.SURVIVAL_METHODS if m not in ("post", "pre")]
+    mean = {m: 4.0 + order.index(m) / 10 for m in order} | {"post": 3.0, "pre": 3.5}
+    _archive(tmp_path, {protocol.run_name(o): mean[protocol.method_of(o)] for o in survival})
+    width = protocol._width(archive)
+    assert {protocol.method_of(o) for o in width} == {"post", "pre", *order[:2]}
+    assert len(width) == 4 * len(protocol.WIDTH_SEEDS)
+    assert all(o["model.d_model"] == 128 and o["train.steps"] == protocol.WIDTH_STEPS
+               for o in width)
+    for overrides in (survival[0], width[0]):
+        spec = ",".join(f"{k}={v}" for k, v in overrides.items())
+        config = build_config(f"{protocol.BASE_CONFIG}:{spec}", RunSpec("", ()))
+        check_all_but_data(config, device_count=1)
+    assert config.model.d_model // config.model.n_heads == 32
