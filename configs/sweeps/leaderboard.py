@@ -3,8 +3,8 @@ default CPU config (48 layers, d=64, d_ff=192, n=128, batch 16, the embedded cor
 at the two peak learning rates where Post-Norm collapses (1e-3 and 3e-3), three seeds each
 (docs/LEADERBOARD.md; the methods: docs/METHODS.md). A 300-step run is an early-speed screen.
 
-    python -m experiments.leaderboard --out_dir runs/leaderboard --archive results/leaderboard/runs \\
-        --sweep configs/sweeps/leaderboard.py:grid --workers 2
+    python -m experiments.leaderboard --out_dir runs/leaderboard \\
+        --archive results/leaderboard/runs --sweep configs/sweeps/leaderboard.py:grid --workers 2
 
 The default plan is every method of ``METHODS`` at 48 layers, warmup 20 steps; ``--methods``
 keeps some of them. Each plan runs seed 0 of every cell first, then seed 1, then seed 2, so a
@@ -139,8 +139,8 @@ def _run(method: str, lr: float, seed: int, **extra: object) -> dict[str, object
     return {**METHOD_FIELDS, **ALL_METHODS[method], "opt.lr": lr, "seed": seed, **extra}
 
 
-def _own_profile_runs(archive_dir: str, lr: float, seed: int,
-                      **extra: object) -> list[dict[str, object]]:
+def own_profile_runs(archive_dir: str, lr: float, seed: int,
+                     **extra: object) -> list[dict[str, object]]:
     """``adaptive_own_profile`` at (lr, seed) if the ``adaptive_two_way`` run of that cell is in
     ``archive_dir``, with that run's final lambda profile; else none."""
     path = os.path.join(archive_dir, f"{run_name(_run('adaptive_two_way', lr, seed))}.json")
@@ -158,7 +158,7 @@ def _core(**extra: object) -> list[dict[str, object]]:
     plan = []
     for seed in SEEDS:
         plan += [_run(method, lr, seed, **extra) for method in METHODS for lr in LRS]
-        plan += [run for lr in LRS for run in _own_profile_runs(ARCHIVE, lr, seed, **extra)]
+        plan += [run for lr in LRS for run in own_profile_runs(ARCHIVE, lr, seed, **extra)]
     return plan
 
 
