@@ -30,9 +30,9 @@ host's (or shard's) as each run ends, with the runs running; then it writes the 
   its first warn, the lead to the collapse step on a collapsed run, a false alarm on another.
 
 Each method's cost, the train step's time and peak memory over Post-Norm's, comes from
-side-by-side benchmark runs (``--cost``: ``benchmarks/bench.py`` JSON, by default the four runs
-of docs/PERFORMANCE.md, "The methods that may prevent collapse": the architecture's methods and
-the training-time ones, each in two orders), not from training wall times.
+side-by-side benchmark runs (``--cost``: ``benchmarks/bench.py`` JSON, by default the runs of
+``benchmarks/methods_cost.py``: each method beside post, in both orders, on one CPU), not from
+training wall times.
 
 Per cell (method, depth, lr, warmup) the table gives the seeds finished and how they ended
 (``done``; ``nonfinite``: stopped by a non-finite step; ``missing``: not run yet; ``stale``: a
@@ -60,6 +60,7 @@ as JSON lines, with no sweep.
 
 
 import functools
+import glob
 import html
 import json
 import os
@@ -114,13 +115,10 @@ flags.DEFINE_list("runs", None, "Run directories to measure and print as JSON li
 flags.DEFINE_string("archive", None, "Directory of the leaderboard's archive: one JSON record "
                     "per finished run with its measures, written as each ends; runs recorded "
                     "there are not trained again and the table reads them from there.")
-flags.DEFINE_list("cost", ["results/perf/intel_methods_overhead.json",
-                            "results/perf/intel_methods_overhead_reversed.json",
-                            "results/perf/intel_methods_overhead_training.json",
-                            "results/perf/intel_methods_overhead_training_reversed.json"],
-                  "benchmarks/bench.py JSON files, each timing methods side by side with post "
-                  "first: the table's step time and peak memory relative to post (geometric mean "
-                  "over the files); empty: no cost columns.")
+flags.DEFINE_list("cost", ["results/perf/methods_cost_amd_zen4"],
+                  "benchmarks/bench.py JSON files (or directories of them), each timing methods "
+                  "side by side with post: the table's step time and peak memory relative to "
+                  "post (geometric mean over the files); empty: no cost columns.")
 flags.DEFINE_integer("fresh_batches", 512, "Training batches after the last step to evaluate "
                      "each final checkpoint on.", lower_bound=1)
 FLAGS = flags.FLAGS
@@ -131,11 +129,14 @@ class LeaderboardError(UserError, ValueError):
 
 def method_costs(paths: list[str], base_config: str) -> dict[str, dict]:
     """Per method, its train-step time and peak memory over post's, each a geometric mean over
-    the ``benchmarks/bench.py`` runs in ``paths`` (variants as after ``base_config``'s colon;
+    the ``benchmarks/bench.py`` runs in ``paths`` (files, or directories of them; variants as
+    after ``base_config``'s colon;
     a method's first variant in a file counts, post's is the reference). Methods a file does not
     time are absent."""
     ratios: dict[str, dict[str, list[float]]] = {}
-    for path in paths:
+    files = [sorted(glob.glob(os.path.join(p, "*.json"))) if os.path.isdir(p) else [p]
+             for p in paths]
+    for path in [f for listed in files for f in listed]:
         measured: dict[str, dict] = {}
         try:
             with open(path) as f:
