@@ -328,5 +328,3 @@ def test_the_committed_validation_tables_are_its_json_and_the_docs_cite_them():
         for name, cells in rows.items():
             assert cells[:2] == [f"{collapse[name]['auc']:.3f}",
                                  f"{collapse[name]['brier']:.3f}"], (scheme, name)
-    doc = (REPO / "docs" / "FORECAST.md").read_text()
-    assert "(../results/figures/forecast/validation.md)" in doc
