@@ -23,7 +23,7 @@ import sys
 import numpy as np
 from absl import app, flags
 
-from configs.sweeps.leaderboard import ALL_METHODS, ARCHIVE, own_profile_runs
+from configs.sweeps.leaderboard import method_variants
 from postnorm.files import make_output_dir, write_bytes_atomic, write_json_atomic
 
 flags.DEFINE_string("out_dir", "results/perf/methods_cost", "Directory for the JSON files and "
@@ -37,24 +37,6 @@ BASE_CONFIG = "configs/default.py"
 CONTROL = "post,model.init_tsim_target=0.0"  # post's program under another label
 ORDERS = {"": lambda post, method: [post, method, CONTROL],
           "_reversed": lambda post, method: [method, post, CONTROL]}
-
-
-def _value_text(value: object) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def method_variants() -> dict[str, str]:
-    """Each leaderboard method's ``bench.py --variant`` text: the fields it sets."""
-    variants = {}
-    for name, fields in ALL_METHODS.items():
-        fields = dict(fields)
-        if name == "adaptive_own_profile":
-            planned = own_profile_runs(ARCHIVE, 1e-3, 0)
-            if not planned:
-                continue
-            fields["model.adaptive_profile"] = planned[0]["model.adaptive_profile"]
-        variants[name] = ",".join(f"{k}={_value_text(v)}" for k, v in fields.items())
-    return variants
 
 
 def run_bench(variants: list[str], repeats: int) -> dict:

@@ -25,8 +25,6 @@ from postnorm.files import make_output_dir, write_bytes_atomic
 PERF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                         "results", "perf")
 
-flags.DEFINE_string("out_dir", "results/perf/tables", "Directory for the markdown tables.")
-FLAGS = flags.FLAGS
 
 Files = dict[str, Any]  # file name in results/perf -> its JSON
 Cell = Callable[[Files, Any], str]  # (the table's files, a row's key) -> the cell's text
@@ -409,4 +407,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    # defined here, not on import: the tests import the tables beside other commands' flags
+    flags.DEFINE_string("out_dir", "results/perf/tables", "Directory for the markdown tables.")
+    FLAGS = flags.FLAGS
     app.run(main)

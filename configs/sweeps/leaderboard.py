@@ -139,6 +139,26 @@ def _run(method: str, lr: float, seed: int, **extra: object) -> dict[str, object
     return {**METHOD_FIELDS, **ALL_METHODS[method], "opt.lr": lr, "seed": seed, **extra}
 
 
+def _value_text(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def method_variants() -> dict[str, str]:
+    """Each method's fields as ``key=value,...`` text (as after a config file's colon); the
+    own-profile control with the final profile of the archived two-way run at lr 1e-3, seed 0,
+    once it is archived."""
+    variants = {}
+    for name, fields in ALL_METHODS.items():
+        fields = dict(fields)
+        if name == "adaptive_own_profile":
+            planned = own_profile_runs(ARCHIVE, 1e-3, 0)
+            if not planned:
+                continue
+            fields["model.adaptive_profile"] = planned[0]["model.adaptive_profile"]
+        variants[name] = ",".join(f"{k}={_value_text(v)}" for k, v in fields.items())
+    return variants
+
+
 def own_profile_runs(archive_dir: str, lr: float, seed: int,
                      **extra: object) -> list[dict[str, object]]:
     """``adaptive_own_profile`` at (lr, seed) if the ``adaptive_two_way`` run of that cell is in

@@ -190,7 +190,7 @@ def test_invalid_placement_fields_are_refused_by_name(fields, message):
 def test_recorded_adaptive_runs_keep_the_one_way_signal():
     """An archived adaptive run (recorded before the new fields) is the schema's default config
     (its digest is among those a config of its fields may carry), not the two-way one."""
-    path = REPO / "results/leaderboard/runs/adaptive_layers48_lr0.003_warmup20_seed0.json"
+    path = REPO / "results/leaderboard/runs/adaptive_layers24_lr0.003_warmup20_seed0.json"
     entry = json.loads(path.read_text())
     assert "placement_signal" not in entry["config"]["train"]
     config = get_config()
