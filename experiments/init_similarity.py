@@ -306,12 +306,15 @@ def write_csv(path: str, results: dict[tuple[str, str], dict[str, np.ndarray]]) 
                     f"{agg[k][layer]:.6e}" if k in agg else "" for k in CSV_KEYS))
 
 
-def _errors(found: dict) -> str:
-    """A ``compared`` record as worst (layer) / mean |error| / layers beyond 10%."""
+def _errors(found: dict, percent: bool = False) -> str:
+    """A ``compared`` record as worst (layer) / mean |error| / layers beyond 10%, as fractions
+    or in percent."""
     if found["worst_layer"] is None:
         return "–"
-    return (f"{found['worst_rel_err']:+.3f} ({found['worst_layer']}) / "
-            f"{found['mean_abs_rel_err']:.3f} / {found['layers_beyond_10pct']}")
+    scale, unit, digits = (100, "%", 1) if percent else (1, "", 3)
+    return (f"{found['worst_rel_err'] * scale:+.{digits}f}{unit} ({found['worst_layer']}) / "
+            f"{found['mean_abs_rel_err'] * scale:.{digits}f}{unit} / "
+            f"{found['layers_beyond_10pct']}")
 
 
 def _optional(fig: dict, value: str, layer: str) -> str:
@@ -326,14 +329,6 @@ def _percent(fig: dict, value: str, layer: str | None = None, mean: str | None =
     text = f"{fig[value] * 100:+.1f}%"
     text += f" ({fig[layer]})" if layer else ""
     return text + (f" / {fig[mean] * 100:.1f}%" if mean else "")
-
-
-def _percent_errors(found: dict) -> str:
-    """A ``compared`` record as worst (layer) / mean |error| / layers beyond 10%, in percent."""
-    if found["worst_layer"] is None:
-        return "–"
-    return (f"{found['worst_rel_err'] * 100:+.1f}% ({found['worst_layer']}) / "
-            f"{found['mean_abs_rel_err'] * 100:.1f}% / {found['layers_beyond_10pct']}")
 
 
 def _number(fig: dict, key: str, spec: str) -> str:
@@ -367,15 +362,15 @@ THEORY_ROWS = (  # (label, cell of one setting's figures of merit)
     ("s_inferred at the first, last layer",
      lambda f: f"{f['s_inferred_first']:.4f}, {f['s_inferred_last']:.4f}"),
     (r"±W Δattn vs the closed form at s_nominal: worst (layer) / mean \|error\| / layers "
-     "beyond 10%", lambda f: _percent_errors(f["attn_pm_vs_closed_s_nominal"])),
+     "beyond 10%", lambda f: _errors(f["attn_pm_vs_closed_s_nominal"], percent=True)),
     ("±W Δattn vs the exact Δ of the measured state at s_nominal",
-     lambda f: _percent_errors(f["attn_pm_vs_exact_s_nominal"])),
+     lambda f: _errors(f["attn_pm_vs_exact_s_nominal"], percent=True)),
     ("exact Δ vs the closed form, both at s_nominal (the EC assumption alone)",
-     lambda f: _percent_errors(f["attn_exact_vs_closed_s_nominal"])),
+     lambda f: _errors(f["attn_exact_vs_closed_s_nominal"], percent=True)),
     ("pairwise cosines' sd at the first, last layer (max)",
      lambda f: f"{f['corr_sd_first']:.3f}, {f['corr_sd_last']:.3f} ({f['corr_sd_max']:.3f})"),
     ("±W ΔFFN vs its closed form at the measured (t, ξ)",
-     lambda f: _percent_errors(f["ffn_pm_vs_closed"])),
+     lambda f: _errors(f["ffn_pm_vs_closed"], percent=True)),
     ("ΔFFN within 10% of its closed form from layer",
      lambda f: _number(f["ffn_pm_vs_closed"], "within_10pct_from_layer", "d")),
 )
