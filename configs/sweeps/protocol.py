@@ -41,6 +41,7 @@ at batch 16 x 128), lr {1e-3, 3e-3, 1e-2}, seeds 0-2: does the toy reproduce the
 ordering (Post-Norm, when it trains, at least as good as Pre-Norm)?
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -116,6 +117,33 @@ def _method(method: str) -> dict[str, object]:
     return {**defaults, **ALL_METHODS[method]}
 
 
+@dataclasses.dataclass(frozen=True)
+class PlannedRun:
+    """One run of the protocol's plan: its variant, the protocol's name for its method (B2T's
+    unclipped bracket runs are ``b2t``, though their fields are the leaderboard's
+    ``b2t_rescaled_noclip``) and its config overrides."""
+
+    variant: str
+    method: str
+    overrides: dict[str, object]
+
+    @property
+    def run_id(self) -> str:
+        return run_name(self.overrides)
+
+    @property
+    def lr(self) -> float:
+        return self.overrides["opt.lr"]
+
+    @property
+    def seed(self) -> int:
+        return self.overrides["seed"]
+
+    @property
+    def clipped(self) -> bool:
+        return self.overrides["opt.clip_norm"] != 0
+
+
 def _bracket_run(method: str, lr: float, clip: float = CLIP) -> dict[str, object]:
     warmup = LONG_WARMUP_FRACTION if method == "post" else WARMUP_FRACTION
     fields = {**protocol(SCREEN_STEPS, warmup), **_method(method),
@@ -157,10 +185,11 @@ def bracket_rates(method: str, archive_dir: str) -> tuple[list[float], float | N
         rates = sorted({*rates, grown})
 
 
-def _bracket(archive_dir: str) -> list[dict[str, object]]:
-    clipped = [_bracket_run(method, lr) for method in BRACKET_METHODS
-               for lr in bracket_rates(method, archive_dir)[0]]
-    stress = [_bracket_run(method, lr, 0.0) for method in BRACKET_METHODS for lr in BRACKET_LRS]
+def _bracket(archive_dir: str) -> list[PlannedRun]:
+    clipped = [PlannedRun("bracket", method, _bracket_run(method, lr))
+               for method in BRACKET_METHODS for lr in bracket_rates(method, archive_dir)[0]]
+    stress = [PlannedRun("bracket", method, _bracket_run(method, lr, 0.0))
+              for method in BRACKET_METHODS for lr in BRACKET_LRS]
     return clipped + stress
 
 
@@ -171,43 +200,55 @@ def _long_run(method: str, lr: float, seed: int, steps: int = LONG_STEPS,
             "seed": seed, **extra}
 
 
-def _survival(archive_dir: str) -> list[dict[str, object]]:
+def _survival(archive_dir: str) -> list[PlannedRun]:
     best = {method: bracket_rates(method, archive_dir)[1] for method in SURVIVAL_METHODS}
-    return [_long_run(method, lr, seed) for seed in SEEDS for method, lr in best.items()
-            if lr is not None]
+    return [PlannedRun("survival", method, _long_run(method, lr, seed))
+            for seed in SEEDS for method, lr in best.items() if lr is not None]
 
 
-def _width(archive_dir: str) -> list[dict[str, object]]:
+def survival_ranking(archive_dir: str) -> list[str] | None:
+    """The survival methods but Post and Pre, lowest mean held-out loss first, once every
+    survival run is archived; else None."""
     survival = _survival(archive_dir)
-    losses = archived_losses(archive_dir, survival)
+    losses = archived_losses(archive_dir, [r.overrides for r in survival])
     if len(survival) < len(SURVIVAL_METHODS) * len(SEEDS) or len(losses) < len(survival):
-        return []
+        return None
     mean_loss = {}
-    for overrides in survival:
-        mean_loss.setdefault(method_of(overrides), []).append(losses[run_name(overrides)])
-    ranked = sorted((m for m in mean_loss if m not in ("post", "pre")),
-                    key=lambda m: sum(mean_loss[m]) / len(mean_loss[m]))
+    for run in survival:
+        mean_loss.setdefault(run.method, []).append(losses[run.run_id])
+    return sorted((m for m in mean_loss if m not in ("post", "pre")),
+                  key=lambda m: sum(mean_loss[m]) / len(mean_loss[m]))
+
+
+def _width(archive_dir: str) -> list[PlannedRun]:
+    ranked = survival_ranking(archive_dir)
+    if ranked is None:
+        return []
     width = {"model.d_model": WIDTH_D_MODEL, "model.d_ff": 3 * WIDTH_D_MODEL}
-    return [_long_run(method, lr, seed, WIDTH_STEPS, **width) for seed in WIDTH_SEEDS
-            for method in ("post", "pre", *ranked[:2])
+    return [PlannedRun("width", method, _long_run(method, lr, seed, WIDTH_STEPS, **width))
+            for seed in WIDTH_SEEDS for method in ("post", "pre", *ranked[:2])
             for lr in [bracket_rates(method, archive_dir)[1]]]
 
 
-def _calibration() -> list[dict[str, object]]:
-    return [{"model.norm": norm, "model.n_layers": 12, "opt.lr": lr, "seed": seed,
-             **protocol(LONG_STEPS)}
+def _calibration() -> list[PlannedRun]:
+    return [PlannedRun("calibration", norm,
+                       {"model.norm": norm, "model.n_layers": 12, "opt.lr": lr, "seed": seed,
+                        **protocol(LONG_STEPS)})
             for seed in SEEDS for lr in CALIBRATION_LRS for norm in ("post", "pre")]
+
+
+VARIANTS = ("calibration", "bracket", "survival", "width")
+
+
+def planned_runs(variant: str, archive_dir: str = ARCHIVE) -> list[PlannedRun]:
+    """The runs ``variant`` plans now, given the runs recorded in ``archive_dir``."""
+    plans = {"calibration": _calibration, "bracket": lambda: _bracket(archive_dir),
+             "survival": lambda: _survival(archive_dir), "width": lambda: _width(archive_dir)}
+    if variant not in plans:
+        raise ValueError(f"unknown sweep variant {variant!r}; known: {', '.join(VARIANTS)}")
+    return plans[variant]()
 
 
 def get_sweep(arg: str | None = None) -> list[dict[str, object]]:
     """One dict of config overrides per run of the variant ``arg``."""
-    if arg == "calibration":
-        return _calibration()
-    if arg == "bracket":
-        return _bracket(ARCHIVE)
-    if arg == "survival":
-        return _survival(ARCHIVE)
-    if arg == "width":
-        return _width(ARCHIVE)
-    raise ValueError(f"unknown sweep variant {arg!r}; known: bracket, calibration, survival, "
-                     "width")
+    return [run.overrides for run in planned_runs(arg)]

@@ -78,9 +78,11 @@ def test_the_bracket_grows_past_an_edge_optimum_until_it_is_inside(tmp_path):
     _archive(tmp_path, {_bracket_id("sandwich", lr): None for lr in rates})
     assert protocol.bracket_rates("sandwich", archive) == (rates, None)
     # the bracket plans the grown rate for pre only, clipped
-    plan = protocol._bracket(archive)
+    plan = protocol.planned_runs("bracket", archive)
     assert len(plan) == 2 * len(protocol.BRACKET_METHODS) * len(rates) + 1
-    assert _bracket_id("pre", grown[-1]) in {protocol.run_name(o) for o in plan}
+    assert _bracket_id("pre", grown[-1]) in {run.run_id for run in plan}
+    # B2T's unclipped runs keep the protocol's name for the method
+    assert {run.method for run in plan if not run.clipped} == set(protocol.BRACKET_METHODS)
 
 
 def test_survival_and_width_are_planned_from_the_archived_best_rates(tmp_path):
@@ -90,19 +92,19 @@ def test_survival_and_width_are_planned_from_the_archived_best_rates(tmp_path):
         best = rates[1 + k % 3]  # interior, varying by method
         losses |= {_bracket_id(method, lr): 5.0 + abs(math.log10(lr / best)) for lr in rates}
     archive = _archive(tmp_path, losses)
-    survival = protocol._survival(archive)
+    survival = [run.overrides for run in protocol.planned_runs("survival", archive)]
     assert len(survival) == len(protocol.SURVIVAL_METHODS) * len(protocol.SEEDS)
     for overrides in survival:
         k = protocol.SURVIVAL_METHODS.index(protocol.method_of(overrides))
         assert overrides["opt.lr"] == rates[1 + k % 3]
         assert overrides["train.steps"] == protocol.LONG_STEPS
         assert overrides["model.n_layers"] == 48
-    assert protocol._width(archive) == []  # no survival run archived yet
+    assert protocol.planned_runs("width", archive) == []  # no survival run archived yet
     # every survival run archived: the two non-reference methods of lowest mean loss get width
     order = [m for m in protocol.SURVIVAL_METHODS if m not in ("post", "pre")]
     mean = {m: 4.0 + order.index(m) / 10 for m in order} | {"post": 3.0, "pre": 3.5}
     _archive(tmp_path, {protocol.run_name(o): mean[protocol.method_of(o)] for o in survival})
-    width = protocol._width(archive)
+    width = [run.overrides for run in protocol.planned_runs("width", archive)]
     assert {protocol.method_of(o) for o in width} == {"post", "pre", *order[:2]}
     assert len(width) == 4 * len(protocol.WIDTH_SEEDS)
     assert all(o["model.d_model"] == 128 and o["train.steps"] == protocol.WIDTH_STEPS

@@ -1,0 +1,216 @@
+"""The long-horizon protocol's tables (docs/PROTOCOL.md) from its runs' rows: one row per
+planned run, as ``experiments.protocol`` builds them from the plan and the archive, with
+``variant``, ``method``, ``lr``, ``clipped``, ``seed``, ``status`` (``missing`` until the run is
+archived), ``loss`` (the held-out loss at the last step; None unless done), ``collapsed``,
+``wall_s`` and ``train_steps``.
+
+Gaps are seed-paired (``postnorm.analysis.paired``): a method against the reference of its cell,
+the better (lower mean held-out loss) of Pre-Norm and a stably trained Post-Norm (every seed
+finished, none collapsed) over the seeds both finished.
+"""
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from postnorm.analysis.paired import MARGIN_NATS, paired_gap
+from postnorm.analysis.tables import markdown_table
+
+REFERENCES = ("pre", "post")
+
+
+def _losses(rows: list[dict]) -> dict[int, float]:
+    return {r["seed"]: r["loss"] for r in rows if r["status"] == "done"}
+
+
+def _group(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return groups
+
+
+def _cell_text(row: dict | None) -> str:
+    if row is None or row["status"] == "missing":
+        return "–"
+    if row["status"] != "done":
+        return "✗"
+    return f"{row['loss']:.3f}" + (" C" if row["collapsed"] else "")
+
+
+def bracket_entries(rows: list[dict]) -> list[dict]:
+    """Per method and half (clipped, unclipped): the held-out loss at each rate, the best rate
+    once every rate is done (``interior``: not the lowest or highest tried) and the largest rate
+    whose run finished without a collapse."""
+    out = []
+    for (method, clipped), runs in _group(rows, "method", "clipped").items():
+        runs = sorted(runs, key=lambda r: r["lr"])
+        rates = [r["lr"] for r in runs]
+        done = all(r["status"] != "missing" for r in runs)
+        finite = [r for r in runs if r["status"] == "done"]
+        best = min(finite, key=lambda r: r["loss"]) if done and finite else None
+        stable = [r["lr"] for r in finite if not r["collapsed"]]
+        out.append({
+            "method": method, "clipped": clipped, "rates": rates,
+            "runs": {f"{r['lr']:g}": r["run_id"] for r in runs},
+            "loss": [r["loss"] for r in runs], "collapsed": [r["collapsed"] for r in runs],
+            "status": [r["status"] for r in runs],
+            "best_lr": best["lr"] if best else None, "best_loss": best["loss"] if best else None,
+            "interior": (best is not None and rates[0] < best["lr"] < rates[-1]),
+            "largest_stable_lr": max(stable) if done and stable else None})
+    return out
+
+
+def bracket_markdown(entries: list[dict], order: Sequence[str]) -> str:
+    """The bracket as two tables, clipped then unclipped: a column per rate tried (``C``: the
+    run collapsed; ``✗``: stopped by a non-finite step; ``–``: not run yet)."""
+    parts = []
+    for clipped in (True, False):
+        half = sorted((e for e in entries if e["clipped"] == clipped),
+                      key=lambda e: list(order).index(e["method"]))
+        if not half:
+            continue
+        rates = sorted({lr for e in half for lr in e["rates"]})
+        body = []
+        for e in half:
+            by_rate = {lr: {"status": s, "loss": loss, "collapsed": c} for lr, s, loss, c in
+                       zip(e["rates"], e["status"], e["loss"], e["collapsed"], strict=True)}
+            body.append([e["method"], *(_cell_text(by_rate.get(lr)) if lr in by_rate else ""
+                                        for lr in rates),
+                         "–" if e["best_lr"] is None else f"{e['best_lr']:g}"
+                         + ("" if e["interior"] else " (edge)"),
+                         "–" if e["largest_stable_lr"] is None else f"{e['largest_stable_lr']:g}"])
+        title = "Clipped at the protocol's 1.0 (B2T at its own 0.1)" if clipped else \
+            "Unclipped (the stress test)"
+        parts.append(f"**{title}.** Held-out loss (nats) at step 300 by peak learning rate.\n\n"
+                     + "\n".join(markdown_table(
+                         ["method", *(f"{lr:g}" for lr in rates), "best rate",
+                          "largest rate without collapse"], body)))
+    return "\n\n".join(parts) + "\n"
+
+
+def reference_of(by_method: dict[str, list[dict]]) -> str | None:
+    """The cell's reference: the better of Pre-Norm and a stably trained Post-Norm by mean
+    held-out loss over their finished seeds; None until Pre-Norm has every seed finished."""
+    candidates = {}
+    for method in REFERENCES:
+        runs = by_method.get(method, [])
+        finished = bool(runs) and all(r["status"] == "done" for r in runs)
+        if finished and not (method == "post" and any(r["collapsed"] for r in runs)):
+            candidates[method] = float(np.mean([r["loss"] for r in runs]))
+    if "pre" not in candidates:
+        return None
+    return min(candidates, key=candidates.get)
+
+
+def compared_entries(rows: list[dict], order: Sequence[str], margin: float = MARGIN_NATS
+                     ) -> list[dict]:
+    """Per method of one cell (the survival or the width runs): its rate, runs, collapses,
+    mean held-out loss and seed-paired gap to the cell's reference (``reference_of``)."""
+    by_method = _group(rows, "method")
+    by_method = {k[0]: v for k, v in by_method.items()}
+    reference = reference_of(by_method)
+    out = []
+    for method in sorted(by_method, key=list(order).index):
+        runs = by_method[method]
+        losses = _losses(runs)
+        entry = {
+            "method": method, "lr": runs[0]["lr"], "planned": len(runs),
+            "done": len(losses), "nonfinite": sum(r["status"] == "nonfinite" for r in runs),
+            "collapsed": sum(bool(r["collapsed"]) for r in runs if r["status"] == "done"),
+            "runs": {str(r["seed"]): r["run_id"] for r in runs},
+            "mean_loss": float(np.mean(list(losses.values()))) if losses else None,
+            "reference": reference, "gap": None}
+        if reference is not None and method != reference:
+            entry["gap"] = paired_gap(losses, _losses(by_method[reference]), margin)
+        out.append(entry)
+    return out
+
+
+def _gap_cells(gap: dict | None, is_reference: bool) -> list[str]:
+    if is_reference:
+        return ["(reference)", "", ""]
+    if gap is None or gap["mean"] is None:
+        return ["–", "–", "–"]
+    ci = "–" if gap["ci95"] is None else f"[{gap['ci95'][0]:+.3f}, {gap['ci95'][1]:+.3f}]"
+    return [f"{gap['mean']:+.3f}", ci, gap["verdict"]]
+
+
+def compared_markdown(entries: list[dict], beside: dict[str, dict[str, str]] | None = None
+                      ) -> str:
+    """``compared_entries`` as a table; ``beside``: more columns, by title, each a text per
+    method (the 300-step screen's verdict, the width step's cost)."""
+    body = []
+    for e in entries:
+        runs = f"{e['done']}/{e['planned']}" + (f" ({e['nonfinite']} ✗)" if e["nonfinite"]
+                                                 else "")
+        mean = "–" if e["mean_loss"] is None else f"{e['mean_loss']:.3f}"
+        row = [e["method"], f"{e['lr']:g}", runs, f"{e['collapsed']}/{e['done']}", mean,
+               *_gap_cells(e["gap"], e["method"] == e["reference"])]
+        row += [column.get(e["method"], "–") for column in (beside or {}).values()]
+        body.append(row)
+    margin = next((e["gap"]["margin"] for e in entries if e["gap"]), MARGIN_NATS)
+    header = ["method", "lr", "runs done", "collapsed", "held-out loss (mean)",
+              "gap to reference (nats)", "95% interval",
+              f"verdict (margin {margin:g} nats)"]
+    header += list(beside or {})
+    return "\n".join(markdown_table(header, body)) + "\n"
+
+
+def calibration_entries(rows: list[dict], margin: float = MARGIN_NATS) -> list[dict]:
+    """Per rate: Post-Norm's and Pre-Norm's held-out losses by seed, their collapses, and the
+    seed-paired gap of Post-Norm over Pre-Norm."""
+    out = []
+    for (lr,), runs in sorted(_group(rows, "lr").items()):
+        by_method = {k[0]: v for k, v in _group(runs, "method").items()}
+        post, pre = by_method.get("post", []), by_method.get("pre", [])
+        out.append({
+            "lr": lr, "post": _losses(post), "pre": _losses(pre),
+            "planned": len(post) + len(pre),
+            "post_collapsed": sum(bool(r["collapsed"]) for r in post if r["status"] == "done"),
+            "runs": {m: {str(r["seed"]): r["run_id"] for r in v} for m, v in by_method.items()},
+            "gap": paired_gap(_losses(post), _losses(pre), margin)})
+    return out
+
+
+def _mean_sd(losses: dict[int, float]) -> str:
+    values = list(losses.values())
+    if not values:
+        return "–"
+    return f"{np.mean(values):.3f} ± {np.std(values, ddof=1):.3f}" if len(values) > 1 else \
+        f"{values[0]:.3f}"
+
+
+def calibration_markdown(entries: list[dict]) -> str:
+    body = [[f"{e['lr']:g}", f"{len(e['post']) + len(e['pre'])}/{e['planned']}",
+             _mean_sd(e["post"]), _mean_sd(e["pre"]), f"{e['post_collapsed']}/{len(e['post'])}",
+             *_gap_cells(e["gap"], False)] for e in entries]
+    margin = entries[0]["gap"]["margin"] if entries else MARGIN_NATS
+    return "\n".join(markdown_table(
+        ["lr", "runs done", "Post-Norm (mean ± sd)", "Pre-Norm (mean ± sd)", "Post collapsed",
+         "Post − Pre (nats)", "95% interval", f"verdict (margin {margin:g} nats)"], body)) + "\n"
+
+
+def step_time_ratios(width_rows: list[dict], survival_rows: list[dict]) -> dict[str, float]:
+    """Per method of the width step: the median training time per step at d = 128 over that of
+    its d = 64 survival runs (same depth, same host)."""
+    def per_step(rows: list[dict], method: str) -> list[float]:
+        return [r["wall_s"] / r["train_steps"] for r in rows
+                if r["method"] == method and r["status"] == "done"]
+    out = {}
+    for method in {r["method"] for r in width_rows}:
+        wide, narrow = per_step(width_rows, method), per_step(survival_rows, method)
+        if wide and narrow:
+            out[method] = float(np.median(wide) / np.median(narrow))
+    return out
+
+
+def epochs(steps: int, batch: int, seq_len: int, train_tokens: int) -> float:
+    """Passes over the training split a run of ``steps`` batches of ``batch`` x ``seq_len``
+    tokens makes."""
+    return steps * batch * seq_len / train_tokens
+
+
+def finite_or_none(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None

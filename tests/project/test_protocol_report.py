@@ -1,0 +1,113 @@
+"""The long-horizon protocol's committed report (results/protocol/) against its archive: the
+report-only command regenerates every table from the records alone, and every best rate,
+interval and equivalence test it states is recomputed here from the records' held-out losses
+with scipy (tests/paired_reference.py), not with the code that wrote it."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.committed import REL_TOL, assert_json_matches, assert_text_matches
+from tests.paired_reference import scipy_gap
+from tests.reliability_helpers import REPO, subprocess_env
+
+PROTOCOL = REPO / "results" / "protocol"
+TABLES = ("bracket", "calibration", "survival", "width")
+
+
+def _report() -> dict:
+    return json.loads((PROTOCOL / "protocol.json").read_text())
+
+
+def _loss(run_id: str) -> float | None:
+    """A run's held-out loss at its last step, from its record; None unless it finished."""
+    path = PROTOCOL / "runs" / f"{run_id}.json"
+    if not path.exists():
+        return None
+    result = json.loads(path.read_text())["result"]
+    return result["final_eval_loss"] if result["status"] == "done" else None
+
+
+def test_the_report_only_command_regenerates_every_table_from_the_archive(tmp_path):
+    shutil.copy(PROTOCOL / "corpus.json", tmp_path / "corpus.json")
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.protocol", f"--out_dir={tmp_path}",
+         "--archive=results/protocol/runs"],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env=subprocess_env(None))
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in TABLES:
+        assert_text_matches((tmp_path / f"{name}.md").read_text(),
+                            (PROTOCOL / f"{name}.md").read_text())
+    assert_json_matches(json.loads((tmp_path / "protocol.json").read_text()), _report())
+    # every archived record is a run of the plan, and reported
+    reported = {run_id for e in _report()["bracket"] for run_id in e["runs"].values()}
+    for variant in ("calibration",):
+        reported |= {i for e in _report()[variant] for runs in e["runs"].values()
+                     for i in runs.values()}
+    for variant in ("survival", "width"):
+        reported |= {i for e in _report()[variant] for i in e["runs"].values()}
+    assert {p.stem for p in (PROTOCOL / "runs").glob("*.json")} <= reported
+
+
+def test_the_docs_include_the_generated_tables():
+    """PROTOCOL.md includes the calibration and width tables verbatim, LEADERBOARD.md opens
+    with the survival table."""
+    protocol_doc = (REPO / "docs" / "PROTOCOL.md").read_text()
+    for name in ("calibration", "width"):
+        assert (PROTOCOL / f"{name}.md").read_text().strip() in protocol_doc, name
+    leaderboard = (REPO / "docs" / "LEADERBOARD.md").read_text()
+    survival = (PROTOCOL / "survival.md").read_text().strip()
+    assert survival in leaderboard.split("## The 300-step screen")[0]
+
+
+def test_each_best_bracket_rate_is_the_lowest_archived_loss():
+    for entry in _report()["bracket"]:
+        losses = {float(lr): _loss(run_id) for lr, run_id in entry["runs"].items()}
+        if entry["best_lr"] is None:
+            assert any(not (PROTOCOL / "runs" / f"{i}.json").exists()
+                       for i in entry["runs"].values()) or all(v is None for v in
+                                                               losses.values())
+            continue
+        finite = {lr: v for lr, v in losses.items() if v is not None}
+        best = min(finite, key=finite.get)
+        assert entry["best_lr"] == pytest.approx(best, rel=1e-12)
+        assert entry["interior"] == (min(losses) < best < max(losses))
+
+
+def _check_gap(gap: dict, method_runs: dict[str, str], reference_runs: dict[str, str]) -> None:
+    method = {int(s): _loss(i) for s, i in method_runs.items()}
+    reference = {int(s): _loss(i) for s, i in reference_runs.items()}
+    seeds = sorted(s for s in method if method[s] is not None and reference.get(s) is not None)
+    assert gap["seeds"] == seeds
+    d = np.array([method[s] - reference[s] for s in seeds])
+    assert gap["mean"] == pytest.approx(d.mean(), rel=REL_TOL)
+    if len(d) < 2:
+        assert gap["ci95"] is None and gap["verdict"] == "inconclusive"
+        return
+    low, high, tost, verdict = scipy_gap(d, gap["margin"])
+    assert gap["ci95"] == pytest.approx([low, high], rel=1e-9)
+    assert gap["tost_p"] == pytest.approx(tost, rel=1e-9)
+    assert gap["verdict"] == verdict
+
+
+def test_every_interval_and_test_is_recomputed_from_the_records():
+    report = _report()
+    checked = 0
+    for entry in report["calibration"]:
+        if entry["gap"]["mean"] is not None:
+            _check_gap(entry["gap"], entry["runs"]["post"], entry["runs"]["pre"])
+            checked += 1
+    for variant in ("survival", "width"):
+        by_method = {e["method"]: e for e in report[variant]}
+        for entry in report[variant]:
+            if entry["gap"] is not None and entry["gap"]["mean"] is not None:
+                _check_gap(entry["gap"], entry["runs"], by_method[entry["reference"]]["runs"])
+                checked += 1
+    stated = sum(e["gap"]["mean"] is not None for e in report["calibration"]) + sum(
+        e["gap"] is not None and e["gap"]["mean"] is not None
+        for v in ("survival", "width") for e in report[v])
+    assert checked == stated

@@ -1,0 +1,137 @@
+"""The long-horizon protocol's tables (postnorm.sweep.protocol_table) on rows made up here:
+the bracket's best and largest stable rates, the reference of a cell, and every seed-paired
+gap against scipy's t interval and one-sided t-tests of the per-seed differences."""
+
+import numpy as np
+import pytest
+
+from postnorm.sweep.protocol_table import (
+    bracket_entries,
+    bracket_markdown,
+    calibration_entries,
+    compared_entries,
+    compared_markdown,
+    epochs,
+    reference_of,
+    step_time_ratios,
+)
+from tests.paired_reference import scipy_gap
+
+
+def row(method, seed=0, loss=None, *, lr=1e-3, clipped=True, status="done", collapsed=False,
+        wall_s=100.0, train_steps=100):
+    return {"method": method, "seed": seed, "lr": lr, "clipped": clipped, "status": status,
+            "loss": loss if status == "done" else None,
+            "collapsed": collapsed if status == "done" else None,
+            "run_id": f"{method}_{lr:g}_{clipped}_{seed}", "wall_s": wall_s,
+            "train_steps": train_steps}
+
+
+def test_the_bracket_finds_the_best_rate_and_whether_the_grid_holds_it():
+    """Per method and half: the lowest finished loss once every rate has ended, ``interior``
+    when it is neither end of the grid, the largest rate that finished without a collapse; a
+    missing rate leaves the best rate open, a non-finite run is never the best."""
+    rates = [3e-4, 1e-3, 3e-3, 1e-2, 3e-2]
+    rows = ([row("pre", lr=lr, loss=loss)
+             for lr, loss in zip(rates, [5.8, 4.5, 4.2, 4.4, 6.0], strict=True)]
+            + [row("post", lr=lr, loss=loss, collapsed=lr >= 3e-3)
+               for lr, loss in zip(rates, [5.9, 5.0, 5.87, 5.9, 5.9], strict=True)]
+            + [row("mixln", lr=lr, loss=loss)
+               for lr, loss in zip(rates[:4], [5.7, 4.6, 4.3, 4.1], strict=True)]
+            + [row("mixln", lr=3e-2, status="nonfinite")]
+            + [row("sandwich", lr=lr, loss=4.0) for lr in rates[:4]]
+            + [row("sandwich", lr=3e-2, status="missing")]
+            + [row("pre", lr=lr, loss=4.0 + lr, clipped=False) for lr in rates])
+    entries = {(e["method"], e["clipped"]): e for e in bracket_entries(rows)}
+    pre = entries[("pre", True)]
+    assert (pre["best_lr"], pre["best_loss"], pre["interior"], pre["largest_stable_lr"]) == \
+        (3e-3, 4.2, True, 3e-2)
+    post = entries[("post", True)]
+    assert (post["best_lr"], post["largest_stable_lr"]) == (1e-3, 1e-3)
+    mixln = entries[("mixln", True)]  # diverged at the top: best at 1e-2, inside the grid
+    assert (mixln["best_lr"], mixln["interior"], mixln["largest_stable_lr"]) == (1e-2, True, 1e-2)
+    sandwich = entries[("sandwich", True)]
+    assert (sandwich["best_lr"], sandwich["interior"], sandwich["largest_stable_lr"]) == \
+        (None, False, None)
+    unclipped = entries[("pre", False)]
+    assert (unclipped["best_lr"], unclipped["interior"]) == (3e-4, False)
+    text = bracket_markdown(list(entries.values()), ["pre", "post", "mixln", "sandwich"])
+    clipped_half, unclipped_half = text.split("**Unclipped")
+    assert "| post | 5.900 | 5.000 | 5.870 C | 5.900 C | 5.900 C | 0.001 | 0.001 |" in clipped_half
+    assert "| mixln | 5.700 | 4.600 | 4.300 | 4.100 | ✗ | 0.01 | 0.01 |" in clipped_half
+    assert "| sandwich | 4.000 | 4.000 | 4.000 | 4.000 | – | – | – |" in clipped_half
+    assert "| pre | 4.000 | 4.001 | 4.003 | 4.010 | 4.030 | 0.0003 (edge) | 0.03 |" in \
+        unclipped_half
+
+
+def test_the_reference_is_the_better_of_pre_and_a_stably_trained_post():
+    pre = [row("pre", s, 4.0 + s / 100) for s in range(3)]
+    post = [row("post", s, 3.9 + s / 100) for s in range(3)]
+    assert reference_of({"pre": pre, "post": post}) == "post"
+    post[1] = row("post", 1, 3.9, collapsed=True)  # one seed collapsed: not stably trained
+    assert reference_of({"pre": pre, "post": post}) == "pre"
+    worse_post = [row("post", s, 4.5) for s in range(3)]
+    assert reference_of({"pre": pre, "post": worse_post}) == "pre"
+    assert reference_of({"pre": pre[:2] + [row("pre", 2, status="missing")],
+                         "post": worse_post}) is None
+
+
+def test_each_gap_to_the_reference_is_scipys_paired_t_interval_and_tost():
+    """Seed-paired over the seeds both finished (a non-finite seed is left out); the gaps of
+    the other reference candidate are against the reference too."""
+    margin = 0.05
+    pre = {0: 4.10, 1: 4.16, 2: 4.12}
+    post = {0: 4.30, 1: 4.35, 2: 4.33}
+    periln = {0: 4.11, 1: 4.17, 2: 4.125}
+    mixln = {0: 4.40, 1: 4.52, 2: 9.9}
+    rows = ([row("pre", s, v) for s, v in pre.items()]
+            + [row("post", s, v) for s, v in post.items()]
+            + [row("periln", s, v) for s, v in periln.items()]
+            + [row("mixln", s, v) for s, v in mixln.items() if s < 2]
+            + [row("mixln", 2, status="nonfinite")])
+    entries = {e["method"]: e for e in compared_entries(rows, ["post", "pre", "mixln",
+                                                               "periln"], margin)}
+    assert entries["pre"]["gap"] is None and entries["pre"]["reference"] == "pre"
+    for method, losses in (("post", post), ("periln", periln), ("mixln", mixln)):
+        seeds = [s for s in (0, 1, 2) if not (method == "mixln" and s == 2)]
+        d = np.array([losses[s] - pre[s] for s in seeds])
+        low, high, tost, verdict = scipy_gap(d, margin)
+        gap = entries[method]["gap"]
+        assert gap["seeds"] == seeds and gap["mean"] == pytest.approx(d.mean(), rel=1e-12)
+        assert gap["ci95"] == pytest.approx([low, high], rel=1e-9)
+        assert gap["tost_p"] == pytest.approx(tost, rel=1e-9)
+        assert gap["verdict"] == verdict
+    assert entries["periln"]["gap"]["verdict"] == "equivalent"
+    assert entries["post"]["gap"]["verdict"] == "worse"
+    assert (entries["mixln"]["done"], entries["mixln"]["nonfinite"]) == (2, 1)
+    text = compared_markdown(list(entries.values()), {"screen": {"post": "collapsed 3/3"}})
+    d = np.array([periln[s] - pre[s] for s in (0, 1, 2)])
+    low, high, *_ = scipy_gap(d, margin)
+    assert (f"| periln | 0.001 | 3/3 | 0/3 | {np.mean(list(periln.values())):.3f} | "
+            f"{d.mean():+.3f} | [{low:+.3f}, {high:+.3f}] | equivalent | – |") in text
+    assert "| pre | 0.001 | 3/3 | 0/3 | 4.127 | (reference) |  |  | – |" in text
+    assert "| mixln | 0.001 | 2/3 (1 ✗) |" in text
+
+
+def test_calibration_pairs_post_with_pre_at_each_rate():
+    rows = []
+    losses = {1e-3: ({0: 4.0, 1: 4.1, 2: 4.05}, {0: 4.2, 1: 4.25, 2: 4.3}),
+              3e-3: ({0: 3.9, 1: 3.85, 2: 3.95}, {0: 3.91, 1: 3.86, 2: 3.94})}
+    for lr, (post, pre) in losses.items():
+        rows += [row("post", s, v, lr=lr) for s, v in post.items()]
+        rows += [row("pre", s, v, lr=lr) for s, v in pre.items()]
+    for entry in calibration_entries(rows):
+        post, pre = losses[entry["lr"]]
+        d = np.array([post[s] - pre[s] for s in (0, 1, 2)])
+        low, high, tost, verdict = scipy_gap(d, 0.05)
+        assert entry["gap"]["ci95"] == pytest.approx([low, high], rel=1e-9)
+        assert entry["gap"]["verdict"] == verdict
+    assert [e["gap"]["verdict"] for e in calibration_entries(rows)] == ["better", "equivalent"]
+
+
+def test_step_time_ratio_and_epochs():
+    wide = [row("pre", s, 4.0, wall_s=w, train_steps=1000) for s, w in enumerate([400, 500])]
+    narrow = [row("pre", s, 4.0, wall_s=w, train_steps=3000) for s, w in enumerate([300, 330,
+                                                                                  360])]
+    assert step_time_ratios(wide, narrow) == pytest.approx({"pre": 0.45 / 0.11})
+    assert epochs(3000, 16, 128, 6_144_000) == pytest.approx(1.0)
