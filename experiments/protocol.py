@@ -197,7 +197,7 @@ def plot_curves(groups: dict[str, list[dict]], lfreq: float, path: str) -> None:
 def report(archive: str, out_dir: str) -> dict:
     corpus = read_corpus(out_dir)
     rows = {v: planned_rows(v, archive, corpus) for v in protocol.VARIANTS}
-    bracket = bracket_entries(rows["bracket"])
+    bracket = bracket_entries(rows["bracket"] + rows["stress"])
     calibration = calibration_entries(rows["calibration"])
     survival = compared_entries(rows["survival"], ORDER)
     width = compared_entries(rows["width"], ORDER)
@@ -210,7 +210,8 @@ def report(archive: str, out_dir: str) -> dict:
         "width": compared_markdown(width, {"step time / d = 64": costs}),
     }
     for name, table in tables.items():
-        text = f"{scope(rows[name])}\n\n{table}" if rows[name] else f"{NOT_PLANNED[name]}\n"
+        runs = rows[name] + (rows["stress"] if name == "bracket" else [])
+        text = f"{scope(runs)}\n\n{table}" if runs else f"{NOT_PLANNED[name]}\n"
         with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
             f.write(text)
     plot_bracket(bracket, corpus["lfreq"], os.path.join(out_dir, "bracket.png"))

@@ -12,9 +12,10 @@ over ``WARMUP_FRACTION`` of its steps, then decays by the default cosine, and is
 Variant ``bracket``: the learning-rate bracket at the screen's horizon (300 steps, 48 layers,
 seed 0): Pre-Norm, Post-Norm with a long warmup (a third of the steps) and every method that
 prevented the collapse on the 300-step board or is a published baseline in its published form
-(``BRACKET_METHODS``), at the half-decade rates ``BRACKET_LRS``, clipped at ``CLIP`` first; the
-same without clipping (the stress test) after. A method's own clipping (B2T's 0.1) is part of
-the method and stays in the clipped half.
+(``BRACKET_METHODS``), at the half-decade rates ``BRACKET_LRS``, clipped at ``CLIP``. A method's
+own clipping (B2T's 0.1) is part of the method and stays in the bracket. Variant ``stress``: the
+same runs at ``BRACKET_LRS`` without clipping (the stress test), run after the survival runs,
+which depend on the bracket alone.
 
 The bracket grows by itself: where a method's best clipped rate (the lowest held-out loss of
 its finished runs in ``ARCHIVE``) is the lowest or the highest rate tried, the next half-decade
@@ -30,7 +31,7 @@ loss in the survival runs, each at its d = 64 best rate (not tuned again), plann
 survival run is archived.
 
 What is cut, and why (sized to about 1.5 days of the 2-core host at ~0.9 s per 48-layer step
-and ~0.3 s per 12-layer step): the bracket runs seed 0 only and 300 steps; the stress half
+and ~0.3 s per 12-layer step): the bracket runs seed 0 only and 300 steps; the stress test
 (unclipped) only at the base rates; survival covers the published baselines and the methods
 that prevented the collapse, not the ones that collapsed on the screen; the width step is
 1,000 steps and two seeds.
@@ -186,11 +187,13 @@ def bracket_rates(method: str, archive_dir: str) -> tuple[list[float], float | N
 
 
 def _bracket(archive_dir: str) -> list[PlannedRun]:
-    clipped = [PlannedRun("bracket", method, _bracket_run(method, lr))
-               for method in BRACKET_METHODS for lr in bracket_rates(method, archive_dir)[0]]
-    stress = [PlannedRun("bracket", method, _bracket_run(method, lr, 0.0))
-              for method in BRACKET_METHODS for lr in BRACKET_LRS]
-    return clipped + stress
+    return [PlannedRun("bracket", method, _bracket_run(method, lr))
+            for method in BRACKET_METHODS for lr in bracket_rates(method, archive_dir)[0]]
+
+
+def _stress() -> list[PlannedRun]:
+    return [PlannedRun("stress", method, _bracket_run(method, lr, 0.0))
+            for method in BRACKET_METHODS for lr in BRACKET_LRS]
 
 
 def _long_run(method: str, lr: float, seed: int, steps: int = LONG_STEPS,
@@ -237,13 +240,14 @@ def _calibration() -> list[PlannedRun]:
             for seed in SEEDS for lr in CALIBRATION_LRS for norm in ("post", "pre")]
 
 
-VARIANTS = ("calibration", "bracket", "survival", "width")
+VARIANTS = ("calibration", "bracket", "stress", "survival", "width")
 
 
 def planned_runs(variant: str, archive_dir: str = ARCHIVE) -> list[PlannedRun]:
     """The runs ``variant`` plans now, given the runs recorded in ``archive_dir``."""
     plans = {"calibration": _calibration, "bracket": lambda: _bracket(archive_dir),
-             "survival": lambda: _survival(archive_dir), "width": lambda: _width(archive_dir)}
+             "stress": _stress, "survival": lambda: _survival(archive_dir),
+             "width": lambda: _width(archive_dir)}
     if variant not in plans:
         raise ValueError(f"unknown sweep variant {variant!r}; known: {', '.join(VARIANTS)}")
     return plans[variant]()

@@ -11,7 +11,7 @@ from postnorm.sweep.plan import RunSpec, build_config
 from postnorm.train.validate import check_all_but_data
 
 
-@pytest.mark.parametrize("variant", ["calibration", "bracket"])
+@pytest.mark.parametrize("variant", ["calibration", "bracket", "stress"])
 def test_every_run_builds_and_has_its_own_name(variant):
     plan = protocol.get_sweep(variant)
     names = [protocol.run_name(overrides) for overrides in plan]
@@ -24,8 +24,9 @@ def test_every_run_builds_and_has_its_own_name(variant):
         assert config.train.eval_batches == protocol.EVAL_BATCHES
 
 
-def test_the_bracket_clips_by_the_protocol_unless_the_method_clips_itself():
-    plan = protocol.get_sweep("bracket")
+def test_the_bracket_clips_by_the_protocol_unless_the_method_clips_itself(tmp_path):
+    runs = protocol.planned_runs("bracket", str(tmp_path)) + protocol.planned_runs("stress")
+    plan = [run.overrides for run in runs]
     for overrides in plan:
         method = protocol.method_of(overrides)
         own = leaderboard.ALL_METHODS[method].get("opt.clip_norm")
@@ -77,12 +78,15 @@ def test_the_bracket_grows_past_an_edge_optimum_until_it_is_inside(tmp_path):
     assert protocol.bracket_rates("mixln", archive)[1] is None
     _archive(tmp_path, {_bracket_id("sandwich", lr): None for lr in rates})
     assert protocol.bracket_rates("sandwich", archive) == (rates, None)
-    # the bracket plans the grown rate for pre only, clipped
+    # the bracket plans the grown rate for pre only; the stress test keeps the base rates
     plan = protocol.planned_runs("bracket", archive)
-    assert len(plan) == 2 * len(protocol.BRACKET_METHODS) * len(rates) + 1
+    assert len(plan) == len(protocol.BRACKET_METHODS) * len(rates) + 1
     assert _bracket_id("pre", grown[-1]) in {run.run_id for run in plan}
+    stress = protocol.planned_runs("stress")
+    assert len(stress) == len(protocol.BRACKET_METHODS) * len(rates)
+    assert all(not run.clipped for run in stress) and all(run.clipped for run in plan)
     # B2T's unclipped runs keep the protocol's name for the method
-    assert {run.method for run in plan if not run.clipped} == set(protocol.BRACKET_METHODS)
+    assert {run.method for run in stress} == set(protocol.BRACKET_METHODS)
 
 
 def test_survival_and_width_are_planned_from_the_archived_best_rates(tmp_path):
