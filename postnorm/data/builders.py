@@ -9,6 +9,7 @@ import abc
 import dataclasses
 import hashlib
 import json
+import types
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -121,10 +122,15 @@ class Corpus:
                 / str(_CorpusBuilder.VERSION))
 
     def builder(self, data_dir: str) -> _CorpusBuilder:
-        """Its builder over ``data_dir`` (reading what is prepared there)."""
+        """Its builder over ``data_dir`` (reading what is prepared there), of a subclass that
+        lists the config, which tfds otherwise logs as a custom one on every load."""
         kwargs = {"paths": self.paths} if self.builder_class is TextFilesCorpus else {}
-        return self.builder_class(data_dir=data_dir, config=self.config,
-                                  file_format=FILE_FORMAT, **kwargs)
+        listed = types.new_class(self.builder_class.__name__, (self.builder_class,),
+                                 {"skip_registration": True},
+                                 lambda ns: ns.update(name=self.builder_class.name,
+                                                      BUILDER_CONFIGS=[self.config]))
+        return listed(data_dir=data_dir, config=self.config.name, file_format=FILE_FORMAT,
+                      **kwargs)
 
 
 def choose_corpus(source: str, text_files: str) -> Corpus:

@@ -62,3 +62,20 @@ def test_default_embedded_config_loads(tmp_path):
     assert batch["inputs"].shape == (8, 128)
     np.testing.assert_array_equal(batch["targets"][:, :-1], batch["inputs"][:, 1:])
     assert len(lm.eval_batches(batch_size=8, num_batches=4)) == 4
+
+
+def test_a_text_files_corpus_is_prepared_under_its_own_names_without_a_tfds_warning(
+        tmp_path, caplog):
+    """The builder lists its config, so tfds loads it as a known one (no "custom data
+    configuration" warning) into the directory ``prepared_dir`` names."""
+    for i in range(3):
+        (tmp_path / f"doc{i}.txt").write_text(f"document {i} " * 50)
+    chosen = builders.choose_corpus("text_files", str(tmp_path / "*.txt"))
+    with caplog.at_level("WARNING"):
+        builder = chosen.builder(str(tmp_path / "tfds"))
+        builder.download_and_prepare()
+    assert not [r for r in caplog.records if "custom data configuration" in r.getMessage()]
+    assert builder.name == builders.TextFilesCorpus.name
+    assert builder.builder_config is chosen.config
+    assert str(chosen.prepared_dir(str(tmp_path / "tfds"))) == str(builder.data_dir)
+    assert (chosen.prepared_dir(str(tmp_path / "tfds")) / "dataset_info.json").exists()
