@@ -8,8 +8,9 @@ and each planned run's record (matched by config digest, ``postnorm.sweep.archiv
 archived yet is ``missing``), and writes to --out_dir (``postnorm.sweep.protocol_table``):
 
 * ``bracket.md``: per method the held-out loss at step 300 at each rate, clipped then
-  unclipped, its best rate (``(edge)`` while at the grid's edge) and the largest rate without a
-  collapse; ``bracket.png``: the rate-sensitivity curves;
+  unclipped, its best rate (``(edge)`` while at the grid's edge) and the largest rate at which
+  it trains (no collapse, loss under 0.95 x L_freq); ``bracket.png``: the rate-sensitivity
+  curves;
 * ``calibration.md``: Post-Norm against Pre-Norm at 12 layers per rate, seed-paired;
 * ``survival.md``: each method at 48 layers against the reference (the better of Pre-Norm and a
   stably trained Post-Norm), seed-paired, beside its verdict on the 300-step screen
@@ -204,7 +205,7 @@ def report(archive: str, out_dir: str) -> dict:
     costs = {m: f"{r:.2f}×" for m, r in step_time_ratios(rows["width"], rows["survival"]).items()}
     screen = screen_verdicts()
     tables = {
-        "bracket": bracket_markdown(bracket, ORDER),
+        "bracket": bracket_markdown(bracket, ORDER, corpus["lfreq"]),
         "calibration": calibration_markdown(calibration),
         "survival": compared_markdown(survival, {"300-step screen (48 layers, lr 1e-3)": screen}),
         "width": compared_markdown(width, {"step time / d = 64": costs}),

@@ -16,6 +16,7 @@ import numpy as np
 
 from postnorm.analysis.paired import MARGIN_NATS, paired_gap
 from postnorm.analysis.tables import markdown_table
+from postnorm.sweep.leaderboard_table import AT_FLOOR
 
 REFERENCES = ("pre", "post")
 
@@ -39,10 +40,17 @@ def _cell_text(row: dict | None) -> str:
     return f"{row['loss']:.3f}" + (" C" if row["collapsed"] else "")
 
 
+def trains(row: dict) -> bool:
+    """The run finished without a collapse and left the floor: its held-out loss is under
+    ``AT_FLOOR`` x L_freq."""
+    return row["status"] == "done" and not row["collapsed"] and \
+        row["loss"] < AT_FLOOR * row["lfreq"]
+
+
 def bracket_entries(rows: list[dict]) -> list[dict]:
     """Per method and half (clipped, unclipped): the held-out loss at each rate, the best rate
     once every rate is done (``interior``: not the lowest or highest tried) and the largest rate
-    whose run finished without a collapse."""
+    at which the run ``trains``."""
     out = []
     for (method, clipped), runs in _group(rows, "method", "clipped").items():
         runs = sorted(runs, key=lambda r: r["lr"])
@@ -50,7 +58,7 @@ def bracket_entries(rows: list[dict]) -> list[dict]:
         done = all(r["status"] != "missing" for r in runs)
         finite = [r for r in runs if r["status"] == "done"]
         best = min(finite, key=lambda r: r["loss"]) if done and finite else None
-        stable = [r["lr"] for r in finite if not r["collapsed"]]
+        trained = [r["lr"] for r in runs if trains(r)]
         out.append({
             "method": method, "clipped": clipped, "rates": rates,
             "runs": {f"{r['lr']:g}": r["run_id"] for r in runs},
@@ -58,11 +66,11 @@ def bracket_entries(rows: list[dict]) -> list[dict]:
             "status": [r["status"] for r in runs],
             "best_lr": best["lr"] if best else None, "best_loss": best["loss"] if best else None,
             "interior": (best is not None and rates[0] < best["lr"] < rates[-1]),
-            "largest_stable_lr": max(stable) if done and stable else None})
+            "largest_trained_lr": max(trained) if done and trained else None})
     return out
 
 
-def bracket_markdown(entries: list[dict], order: Sequence[str]) -> str:
+def bracket_markdown(entries: list[dict], order: Sequence[str], lfreq: float) -> str:
     """The bracket as two tables, clipped then unclipped: a column per rate tried (``C``: the
     run collapsed; ``✗``: stopped by a non-finite step; ``–``: not run yet)."""
     parts = []
@@ -80,13 +88,16 @@ def bracket_markdown(entries: list[dict], order: Sequence[str]) -> str:
                                         for lr in rates),
                          "–" if e["best_lr"] is None else f"{e['best_lr']:g}"
                          + ("" if e["interior"] else " (edge)"),
-                         "–" if e["largest_stable_lr"] is None else f"{e['largest_stable_lr']:g}"])
+                         "–" if e["largest_trained_lr"] is None
+                         else f"{e['largest_trained_lr']:g}"])
         title = "Clipped at the protocol's 1.0 (B2T at its own 0.1)" if clipped else \
             "Unclipped (the stress test)"
-        parts.append(f"**{title}.** Held-out loss (nats) at step 300 by peak learning rate.\n\n"
+        parts.append(f"**{title}.** Held-out loss (nats) at step 300 by peak learning rate "
+                     f"(L_freq {lfreq:.3f}).\n\n"
                      + "\n".join(markdown_table(
                          ["method", *(f"{lr:g}" for lr in rates), "best rate",
-                          "largest rate without collapse"], body)))
+                          f"largest rate that trains (no collapse, < {AT_FLOOR:g} × L_freq)"],
+                         body)))
     return "\n\n".join(parts) + "\n"
 
 

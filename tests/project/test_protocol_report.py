@@ -64,8 +64,21 @@ def test_the_docs_include_the_generated_tables():
     assert survival in leaderboard.split("## The 300-step screen")[0]
 
 
+def _trains(run_id: str) -> bool:
+    path = PROTOCOL / "runs" / f"{run_id}.json"
+    if not path.exists():
+        return False
+    result = json.loads(path.read_text())["result"]
+    return (result["status"] == "done" and not result["collapse"]["collapsed"]
+            and result["final_eval_loss"] < 0.95 * result["lfreq"])
+
+
 def test_each_best_bracket_rate_is_the_lowest_archived_loss():
+    """And the largest rate that trains: no collapse, held-out loss under 0.95 x L_freq."""
     for entry in _report()["bracket"]:
+        finished = all((PROTOCOL / "runs" / f"{i}.json").exists() for i in entry["runs"].values())
+        trained = [float(lr) for lr, i in entry["runs"].items() if _trains(i)]
+        assert entry["largest_trained_lr"] == (max(trained) if finished and trained else None)
         losses = {float(lr): _loss(run_id) for lr, run_id in entry["runs"].items()}
         if entry["best_lr"] is None:
             assert any(not (PROTOCOL / "runs" / f"{i}.json").exists()

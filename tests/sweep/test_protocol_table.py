@@ -24,13 +24,14 @@ def row(method, seed=0, loss=None, *, lr=1e-3, clipped=True, status="done", coll
             "loss": loss if status == "done" else None,
             "collapsed": collapsed if status == "done" else None,
             "run_id": f"{method}_{lr:g}_{clipped}_{seed}", "wall_s": wall_s,
-            "train_steps": train_steps}
+            "train_steps": train_steps, "lfreq": 6.0}
 
 
 def test_the_bracket_finds_the_best_rate_and_whether_the_grid_holds_it():
     """Per method and half: the lowest finished loss once every rate has ended, ``interior``
-    when it is neither end of the grid, the largest rate that finished without a collapse; a
-    missing rate leaves the best rate open, a non-finite run is never the best."""
+    when it is neither end of the grid, the largest rate that trains (finished, no collapse,
+    under 0.95 x L_freq = 5.7 here); a missing rate leaves the best rate open, a non-finite
+    run is never the best."""
     rates = [3e-4, 1e-3, 3e-3, 1e-2, 3e-2]
     rows = ([row("pre", lr=lr, loss=loss)
              for lr, loss in zip(rates, [5.8, 4.5, 4.2, 4.4, 6.0], strict=True)]
@@ -44,18 +45,19 @@ def test_the_bracket_finds_the_best_rate_and_whether_the_grid_holds_it():
             + [row("pre", lr=lr, loss=4.0 + lr, clipped=False) for lr in rates])
     entries = {(e["method"], e["clipped"]): e for e in bracket_entries(rows)}
     pre = entries[("pre", True)]
-    assert (pre["best_lr"], pre["best_loss"], pre["interior"], pre["largest_stable_lr"]) == \
-        (3e-3, 4.2, True, 3e-2)
+    assert (pre["best_lr"], pre["best_loss"], pre["interior"], pre["largest_trained_lr"]) == \
+        (3e-3, 4.2, True, 1e-2)  # 6.0 at 3e-2 is at the floor
     post = entries[("post", True)]
-    assert (post["best_lr"], post["largest_stable_lr"]) == (1e-3, 1e-3)
+    assert (post["best_lr"], post["largest_trained_lr"]) == (1e-3, 1e-3)
     mixln = entries[("mixln", True)]  # diverged at the top: best at 1e-2, inside the grid
-    assert (mixln["best_lr"], mixln["interior"], mixln["largest_stable_lr"]) == (1e-2, True, 1e-2)
+    assert (mixln["best_lr"], mixln["interior"], mixln["largest_trained_lr"]) == (1e-2, True,
+                                                                                  1e-2)
     sandwich = entries[("sandwich", True)]
-    assert (sandwich["best_lr"], sandwich["interior"], sandwich["largest_stable_lr"]) == \
+    assert (sandwich["best_lr"], sandwich["interior"], sandwich["largest_trained_lr"]) == \
         (None, False, None)
     unclipped = entries[("pre", False)]
     assert (unclipped["best_lr"], unclipped["interior"]) == (3e-4, False)
-    text = bracket_markdown(list(entries.values()), ["pre", "post", "mixln", "sandwich"])
+    text = bracket_markdown(list(entries.values()), ["pre", "post", "mixln", "sandwich"], 6.0)
     clipped_half, unclipped_half = text.split("**Unclipped")
     assert "| post | 5.900 | 5.000 | 5.870 C | 5.900 C | 5.900 C | 0.001 | 0.001 |" in clipped_half
     assert "| mixln | 5.700 | 4.600 | 4.300 | 4.100 | ✗ | 0.01 | 0.01 |" in clipped_half
