@@ -1,7 +1,8 @@
 """Fit the collapse forecast on archived runs and validate it: leave one method out, leave one
 depth out, beside two baselines; and the monitor's lead time against the onset step.
 
-    python -m experiments.forecast_validation [--archive results/leaderboard/runs[,DIR...]]
+    python -m experiments.forecast_validation
+        [--archive results/leaderboard/runs,results/protocol/runs]
         [--out_dir results/figures/forecast]
 
 Trains nothing. Writes to --out_dir: ``model.json`` (the step-0 models fitted on every run: what
@@ -12,8 +13,11 @@ probabilities, the scores, the runs the forecast gets wrong and why, the monitor
 diagnostics of the first 30 steps, depth and learning rate alone (logistic models on the same
 folds, each fitted by ``fc.fit_selected`` on the training fold alone, and the step-0 forecast's
 four ``fc.VARIANTS`` each on its own), and the early-warning monitor as archived (its first warn
-by step 30, and by the end of the run: a confirmation). Method names are read from the archive
-(``method_label``), never listed here. About 40 s on a busy 2-core CPU for 247 runs.
+by step 30, and by the end of the run: a confirmation; scored on the runs with its replay, the
+leaderboard's measured runs). Method names are read from each record's config
+(``method_name``), never listed here. The step-0 forecast's scores are also given per archive:
+all runs' held-out probabilities scored on each archive's runs. About 45 s on a busy 2-core CPU
+for 275 runs.
 """
 
 import os
@@ -23,7 +27,7 @@ import matplotlib
 import numpy as np
 from absl import app, flags
 
-from configs.sweeps.leaderboard import method_label
+from configs.sweeps import leaderboard, protocol
 from postnorm.analysis import forecast as fc
 from postnorm.analysis.figures import save_figure
 from postnorm.analysis.tables import cell, markdown_table
@@ -36,7 +40,8 @@ from postnorm.sweep.archive import read_archive
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-flags.DEFINE_list("archive", ["results/leaderboard/runs"], "Sweep archives whose runs are read.")
+flags.DEFINE_list("archive", ["results/leaderboard/runs", "results/protocol/runs"],
+                  "Sweep archives whose runs are read.")
 flags.DEFINE_string("out_dir", "results/figures/forecast", "Directory for the outputs.")
 FLAGS = flags.FLAGS
 
@@ -52,9 +57,27 @@ class NoArchivedRunsError(UserError):
     """No archived run with a verdict was found."""
 
 
+def method_name(config: dict) -> str:
+    """The leaderboard's name for a record's method (its config data): the method whose fields
+    it holds (``leaderboard.method_of``), or, for a protocol record, whose fields it holds but
+    the protocol's own clipping and checkpointing (``protocol.method_of``: its B2T clipped at
+    0.1 is ``b2t``, unclipped ``b2t_rescaled_noclip``; its Post-Norm of any warmup ``post``),
+    else its ``model.norm``."""
+    fields = {path: config[path.split(".")[0]][path.split(".")[1]]
+              for path in leaderboard.METHOD_FIELDS
+              if path.split(".")[1] in config.get(path.split(".")[0], {})}
+    for method_of in (leaderboard.method_of, protocol.method_of):
+        try:
+            return method_of(fields)
+        except ValueError:
+            continue
+    return config["model"]["norm"]
+
+
 def archived_rows(archives: list[str]) -> tuple[list[dict], list[str]]:
-    """The archived runs with a verdict as the forecast reads them (with their method, depth,
-    lr, warmup and seed), and those whose config the forecast cannot read (each with why)."""
+    """The archived runs with a verdict as the forecast reads them (with their archive, method,
+    depth, lr, warmup and seed), and those whose config the forecast cannot read (each with
+    why)."""
     rows, skipped = [], []
     for directory in archives:
         for entry in read_archive(directory):
@@ -65,14 +88,29 @@ def archived_rows(archives: list[str]) -> tuple[list[dict], list[str]]:
                 continue
             if row is not None:
                 config = entry["config"]
-                rows.append(row | {"method": method_label(config),
+                rows.append(row | {"archive": directory, "method": method_name(config),
                                    "layers": config["model"]["n_layers"],
                                    "lr": config["opt"]["lr"],
                                    "warmup": config["opt"]["warmup_steps"],
                                    "seed": config["seed"]})
     if not rows:
-        raise NoArchivedRunsError(f"no finished, measured run in --archive={','.join(archives)}")
+        raise NoArchivedRunsError(f"no finished run with a verdict in "
+                                  f"--archive={','.join(archives)}")
     return rows, skipped
+
+
+def archive_counts(rows: list[dict], archives: list[str]) -> dict[str, dict]:
+    """Per archive: its runs read, collapsed, at the floor (by which loss) and monitored."""
+    counts = {}
+    for directory in archives:
+        mine = [r for r in rows if r["archive"] == directory]
+        counts[directory] = {
+            "runs": len(mine), "collapsed": sum(r["collapsed"] for r in mine),
+            "at_the_floor": sum(r["floor"] for r in mine),
+            "floor_from_fresh_batches": sum(r["floor_loss"] == "fresh" for r in mine),
+            "floor_from_held_out_loss": sum(r["floor_loss"] == "eval" for r in mine),
+            "monitored": sum(r["monitored"] for r in mine)}
+    return counts
 
 
 def scores(y_N, p_N) -> dict:
@@ -126,7 +164,7 @@ def monitor_leads(rows: list[dict]) -> list[dict]:
     step, in steps and diagnostic intervals (positive: the warn came first)."""
     out = []
     for r in rows:
-        if r["onset_step"] is None:
+        if r["onset_step"] is None or not r["monitored"]:
             continue
         warn = r["first_warn"]
         out.append({
@@ -141,11 +179,14 @@ def monitor_leads(rows: list[dict]) -> list[dict]:
     return out
 
 
-def validate(rows: list[dict]) -> dict:
+def validate(rows: list[dict], archives: list[str]) -> dict:
     y_N = np.array([r["collapsed"] for r in rows])
     floor_N = np.array([r["floor"] for r in rows])
-    per_run = [{k: r[k] for k in ("run_id", "method", "layers", "lr", "warmup", "seed",
-                                  "collapsed", "floor", "onset_step", "first_warn")}
+    monitored_N = np.array([r["monitored"] for r in rows])
+    archive_N = np.array([r["archive"] for r in rows])
+    per_run = [{k: r[k] for k in ("run_id", "archive", "method", "layers", "lr", "warmup",
+                                  "seed", "collapsed", "floor", "floor_loss", "onset_step",
+                                  "monitored", "first_warn")}
                | {"p_collapse": {}, "p_floor": {}, "onset_predicted": {}} for r in rows]
     schemes = {}
     methods = [r["method"] for r in rows]
@@ -159,6 +200,9 @@ def validate(rows: list[dict]) -> dict:
             for run, p in zip(per_run, p_N, strict=True):
                 run["p_collapse"].setdefault(scheme, {})[name] = float(p)
             if names == fc.STEP0:
+                result["step0_by_archive"] = {
+                    directory: scores(y_N[archive_N == directory], p_N[archive_N == directory])
+                    for directory in archives if (archive_N == directory).any()}
                 result["chance_calibrated_if_exact"] = chance_calibrated(p_N)
                 result["selection"] = [{"held_out": f["held_out"]} | f["selection"]
                                        for f in folds]
@@ -174,7 +218,7 @@ def validate(rows: list[dict]) -> dict:
             warned = np.array([r["first_warn"] is not None
                                and (horizon is None or r["first_warn"] <= horizon)
                                for r in rows], np.float64)
-            result["collapse"][label] = scores(y_N, warned)
+            result["collapse"][label] = scores(y_N[monitored_N], warned[monitored_N])
         p_floor, _, _ = fc.held_out(fc.design(rows, fc.STEP0), floor_N, groups, methods,
                                     fc.STEP0)
         result["floor"] = scores(floor_N, p_floor)
@@ -194,6 +238,7 @@ def validate(rows: list[dict]) -> dict:
                            "stated_and_within_one_interval": int(sum(stated))}
         schemes[scheme] = result
     return {"runs": len(rows), "collapsed": int(y_N.sum()), "at_the_floor": int(floor_N.sum()),
+            "monitored": int(monitored_N.sum()), "archives": archive_counts(rows, archives),
             "seed_split_brier": seed_split_brier(rows),
             "rule": {"tsim_threshold": DEFAULT_RULE.tsim_threshold,
                      "layer_fraction": DEFAULT_RULE.layer_fraction,
@@ -217,9 +262,18 @@ def lead_summary(leads: list[dict]) -> list[list[str]]:
 def markdown(report: dict, models: dict) -> str:
     lines = [f"# The collapse forecast, validated on {report['runs']} archived runs",
              "", f"{report['collapsed']} collapsed (the project's rule); {report['at_the_floor']} "
-             f"ended at the floor (loss on fresh batches >= {fc.FLOOR_RATIO} x L_freq). "
-             "Generated by `python -m experiments.forecast_validation`; every probability below "
-             "is held out (the run's method, or its depth, was not in the fit).", "",
+             f"ended at the floor (loss >= {fc.FLOOR_RATIO} x the frequency floor: on fresh "
+             "training batches over L_freq where the run was measured, else its last held-out "
+             "loss over its validation batches' floor). Generated by `python -m "
+             "experiments.forecast_validation`; every probability below is held out (the run's "
+             "method, or its depth, was not in the fit).", ""]
+    lines += markdown_table(
+        ["archive", "runs", "collapsed", "at the floor", "floor from fresh batches / held-out "
+         "loss", "with the monitor's replay"],
+        [[f"`{a}`", str(c["runs"]), str(c["collapsed"]), str(c["at_the_floor"]),
+          f"{c['floor_from_fresh_batches']} / {c['floor_from_held_out_loss']}",
+          str(c["monitored"])] for a, c in report["archives"].items()])
+    lines += ["",
              "Each logistic forecast is fitted by the same procedure inside each training fold "
              "(`postnorm.analysis.forecast.fit_selected`): of four variants (the penalty fixed "
              "at 1 or chosen from "
@@ -238,6 +292,17 @@ def markdown(report: dict, models: dict) -> str:
         lines += markdown_table(["forecast", "AUC", "Brier", "calibrated within "
                                  f"{CALIBRATION_TOL} (deciles of >= {CALIBRATION_MIN_RUNS} runs)"],
                                 body)
+        lines += ["", f"The monitor's two rows score the {report['monitored']} runs with its "
+                  f"replay (the leaderboard's measures); the {report['runs'] - report['monitored']}"
+                  " without one count in every other row.", "",
+                  "The step-0 forecast's held-out probabilities above, scored on each archive's "
+                  "runs alone:", ""]
+        by_archive = {f"all {report['runs']}": result["collapse"]["step 0 (theory + config)"]}
+        by_archive |= {f"`{a}` ({report['archives'][a]['runs']})": s
+                       for a, s in result["step0_by_archive"].items()}
+        lines += markdown_table(["runs", "AUC", "Brier"],
+                                [[name, cell(s["auc"], ".3f"), cell(s["brier"], ".3f")]
+                                 for name, s in by_archive.items()])
         floor = result["floor"]
         lines += ["", f"At the floor, step-0 forecast: AUC {floor['auc']:.3f}, Brier "
                   f"{floor['brier']:.3f}, calibrated: {cell(floor['calibrated'])}.", ""]
@@ -334,7 +399,7 @@ def main(argv: list[str]) -> None:
     out_dir = make_output_dir(os.path.abspath(FLAGS.out_dir), "--out_dir")
     rows, skipped = archived_rows(FLAGS.archive)
     models = fc.fit_forecast(rows, [r["method"] for r in rows])
-    report = validate(rows) | {"skipped": skipped}
+    report = validate(rows, FLAGS.archive) | {"skipped": skipped}
     write_json_atomic(os.path.join(out_dir, "model.json"), models)
     write_json_atomic(os.path.join(out_dir, "validation.json"), report)
     table = markdown(report, models)

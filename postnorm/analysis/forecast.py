@@ -17,7 +17,11 @@ Inputs, never outcomes (``step0_inputs``):
   ``qk_norm``, ``grad_repair``, ``z_loss``, ``diversity``, ``monitor_action``,
   ``residual_budget``, ``placement_controller`` (the adaptive placement's lambda moves during
   training, either signal) and ``placement_two_way`` (its signal is ``two_way``). A fixed
-  lambda profile (``model.adaptive_profile``) is no flag: the theory reads it.
+  lambda profile (``model.adaptive_profile``) is no flag: the theory reads it;
+* ``clipped``: whether the optimizer clips the global gradient norm (``opt.clip_norm`` > 0). A
+  flag, not the norm: whether a clip acts depends on the gradient's norm during training, which
+  the theory at init does not give, and the archive holds two norms only (B2T's 0.1, the
+  protocol's 1.0).
 
 The onset step is ``half_alike_step`` (``postnorm.analysis.collapse``), the first diagnostic
 step with half the layers alike.
@@ -36,6 +40,7 @@ import numpy as np
 from postnorm import theory
 from postnorm.analysis.collapse import DEFAULT_RULE, half_alike_step
 from postnorm.config.schema import base_config
+from postnorm.diagnostics.schedule import diagnostic_steps
 from postnorm.errors import UserError
 from postnorm.model.placements import PLACEMENTS, init_gains
 from postnorm.model.similarity_init import with_similarity_init
@@ -47,12 +52,12 @@ MODEL_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 THEORY = ("tsim_max", "tsim_mean", "log_skip_gain", "log_erase_fraction")
 SCHEDULE = ("log2_layers", "log_lr", "warmup_fraction")
 TRAINING_FLAGS = ("qk_norm", "grad_repair", "z_loss", "diversity", "monitor_action",
-                  "residual_budget", "placement_controller", "placement_two_way")
+                  "residual_budget", "placement_controller", "placement_two_way", "clipped")
 STEP0 = THEORY + SCHEDULE + TRAINING_FLAGS
 EARLY = STEP0 + ("alike_fraction_early",)  # + the diagnostics of the first EARLY_STEPS steps
 BASELINE = ("log2_layers", "log_lr")
 EARLY_STEPS = 30
-FLOOR_RATIO = 0.95  # "at the floor": loss on fresh batches >= 0.95 x L_freq
+FLOOR_RATIO = 0.95  # "at the floor": loss >= 0.95 x its batches' frequency floor (archive_row)
 L2 = 1.0  # the penalty 1/2 L2 |w|^2 on the standardised weights: the onset's, the "fixed" variant's
 
 
@@ -145,6 +150,7 @@ def step0_inputs(data: dict | ml_collections.ConfigDict) -> dict[str, float]:
         "residual_budget": float(spec.residual_budget != "none"),
         "placement_controller": float(controller),
         "placement_two_way": float(controller and config.train.placement_signal == "two_way"),
+        "clipped": float(config.opt.clip_norm > 0),
     }
 
 
@@ -352,32 +358,50 @@ def fit_selected(folds: Folds, excluded: frozenset = frozenset()) -> tuple[Linea
     return model, info | {"inner_brier": briers}
 
 
-def snap_to_interval(step: float, every: int) -> int:
-    """A predicted step as the nearest diagnostic step (a multiple of ``every``, at least 1)."""
-    return max(1, int(round(step / every)) * every)
+def snap_to_diagnostic_step(step: float, config: ml_collections.ConfigDict) -> int:
+    """A predicted step as the nearest diagnostic step of the config's run (its schedule: dense
+    steps included, the last step at most; of two as near, the earlier)."""
+    return min(diagnostic_steps(int(config.train.steps), config.diag),
+               key=lambda s: abs(s - step))
 
 
 # the archive ----------------------------------------------------------------------------------
 
 def archive_row(entry: dict) -> dict | None:
     """One archived run as the forecast reads it: its config, its labels (collapsed by the
-    project's rule, at the floor, the onset step) and its monitor's first warn; None for a run
-    without a verdict or measures (not ``done``, or archived unmeasured)."""
+    project's rule, at the floor, the onset step) and its monitor's first warn (``monitored``
+    False and ``first_warn`` None for a record without the monitor's replay); None for a run
+    without a verdict or a loss to label (not ``done``, or neither measured nor evaluated).
+
+    The floor label (``floor_loss`` names its loss) is the loss on fresh training batches over
+    L_freq where the record was measured (the leaderboard's measures), else the last held-out
+    loss (``final_eval_loss``) over its validation batches' own frequency floor (``eval_floor``:
+    L_freq's unigram scored on those batches). Not over L_freq: the validation batches' floor
+    lies several per cent off L_freq, either way (by the batches drawn); the fresh batches' does
+    not.
+    """
     result, measures = entry["result"], entry.get("measures") or {}
-    if result.get("status") != "done" or "collapse" not in result or "first_warn" not in measures:
+    if result.get("status") != "done" or "collapse" not in result:
+        return None
+    if "fresh_loss_over_lfreq" in measures:
+        floor_loss, loss_over_floor = "fresh", measures["fresh_loss_over_lfreq"]
+    elif result.get("final_eval_loss") is not None and result.get("eval_floor"):
+        floor_loss, loss_over_floor = "eval", result["final_eval_loss"] / result["eval_floor"]
+    else:
         return None
     collapse = result["collapse"]
     return {
         "run_id": entry["run_id"], "config": entry["config"],
         "inputs": step0_inputs(entry["config"]),
         "collapsed": bool(collapse["collapsed"]),
-        "floor": bool(measures["fresh_loss_over_lfreq"] >= FLOOR_RATIO),
-        "fresh_loss_over_lfreq": float(measures["fresh_loss_over_lfreq"]),
+        "floor": bool(loss_over_floor >= FLOOR_RATIO),
+        "floor_loss": floor_loss, "loss_over_floor": float(loss_over_floor),
         "onset_step": half_alike_step(collapse["diag_steps"], collapse["fraction_collapsed"],
                                       DEFAULT_RULE),
         "collapse_step": collapse["collapse_step"],
         "diag_steps": collapse["diag_steps"],
-        "first_warn": measures["first_warn"],
+        "monitored": "first_warn" in measures,
+        "first_warn": measures.get("first_warn"),
         "early": early_inputs(collapse["diag_steps"], collapse["fraction_collapsed"]),
     }
 
@@ -410,8 +434,8 @@ def fit_forecast(rows: list[dict], groups: list[object]) -> dict:
     }
 
 
-def forecast(models: dict, inputs: dict[str, float], diag_every: int) -> dict:
-    """The forecast of one config from its ``step0_inputs``: p_collapse, p_floor, the onset
+def forecast(models: dict, inputs: dict[str, float], config: ml_collections.ConfigDict) -> dict:
+    """The forecast of one (full) config from its ``step0_inputs``: p_collapse, p_floor, the onset
     step (None when a collapse is not the likelier outcome) and each input with its
     contribution to the collapse's log-odds and whether it lies in the fitted runs' range
     (outside it the forecast extrapolates)."""
@@ -423,7 +447,7 @@ def forecast(models: dict, inputs: dict[str, float], diag_every: int) -> dict:
     return {
         "p_collapse": p_collapse,
         "p_floor": float(probability(floor, x_F[None])[0]),
-        "onset_step": (snap_to_interval(float(np.exp(onset.score(x_F[None])[0])), diag_every)
+        "onset_step": (snap_to_diagnostic_step(float(np.exp(onset.score(x_F[None])[0])), config)
                        if p_collapse >= 0.5 else None),
         "inputs": {n: {"value": inputs[n], "log_odds": contributions[n],
                        "in_fitted_range": bool(models["range"][n][0] <= inputs[n]
@@ -434,7 +458,7 @@ def forecast(models: dict, inputs: dict[str, float], diag_every: int) -> dict:
 def forecast_config(config: ml_collections.ConfigDict | dict, models: dict) -> dict:
     """``forecast`` of a config (``ForecastError`` where its inputs cannot be computed)."""
     full = full_config(config)
-    return forecast(models, step0_inputs(full), int(full.diag.every))
+    return forecast(models, step0_inputs(full), full)
 
 
 # scores ---------------------------------------------------------------------------------------
@@ -500,9 +524,8 @@ def held_out_onsets(rows: list[dict], groups: list[object]) -> list[int | None]:
         model = fit_ridge(design(train, STEP0), np.log([r["onset_step"] for r in train]), STEP0)
         for i, g in enumerate(groups):
             if g == group and rows[i]["collapsed"]:
-                every = int(full_config(rows[i]["config"]).diag.every)
                 step = float(np.exp(model.score(design([rows[i]], STEP0))[0]))
-                onsets[i] = snap_to_interval(step, every)
+                onsets[i] = snap_to_diagnostic_step(step, full_config(rows[i]["config"]))
     return onsets
 
 

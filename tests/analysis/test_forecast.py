@@ -118,6 +118,61 @@ def test_the_onset_is_the_rules_similar_layers_step_on_every_archived_run():
             collapse["similar_layers_step"]
 
 
+LEADERBOARD_RECORD = ARCHIVE / "post_layers48_lr0.001_warmup20_seed0.json"
+
+
+@pytest.mark.parametrize("eval_over_floor", [0.94, 0.96])
+def test_a_record_without_measures_is_labelled_by_its_held_out_loss(eval_over_floor):
+    entry = json.loads(LEADERBOARD_RECORD.read_text())
+    measured = fc.archive_row(entry)
+    assert (measured["floor_loss"], measured["monitored"]) == ("fresh", True)
+    assert measured["floor"] == (entry["measures"]["fresh_loss"] / entry["measures"]["lfreq"]
+                                 >= 0.95)
+    result = entry["result"]
+    entry = entry | {"measures": None, "result": result | {
+        "final_eval_loss": eval_over_floor * result["eval_floor"]}}
+    row = fc.archive_row(entry)
+    assert (row["floor_loss"], row["monitored"], row["first_warn"]) == ("eval", False, None)
+    assert row["floor"] == (eval_over_floor >= 0.95)
+    assert row["loss_over_floor"] == pytest.approx(eval_over_floor, rel=1e-12)
+    assert {k: row[k] for k in ("collapsed", "onset_step", "inputs", "early")} == \
+        {k: measured[k] for k in ("collapsed", "onset_step", "inputs", "early")}
+    without_eval = entry | {"result": entry["result"] | {"final_eval_loss": None}}
+    assert fc.archive_row(without_eval) is None
+
+
+def test_the_held_out_loss_over_its_batches_floor_labels_the_floor_as_fresh_batches_do():
+    """On the leaderboard runs, which have both losses, the held-out label agrees with the
+    fresh-batch one on nearly every run; over L_freq instead it would not."""
+    both = [(e["measures"]["fresh_loss_over_lfreq"] >= 0.95,
+             e["result"]["final_eval_loss"] / e["result"]["eval_floor"] >= 0.95,
+             e["result"]["final_eval_loss"] / e["result"]["lfreq"] >= 0.95)
+            for e in read_archive(str(ARCHIVE)) if e["result"]["status"] == "done"]
+    agree_floor = np.mean([fresh == held for fresh, held, _ in both])
+    agree_lfreq = np.mean([fresh == over for fresh, _, over in both])
+    assert agree_floor >= 0.97 and agree_lfreq < agree_floor - 0.05, (agree_floor, agree_lfreq)
+
+
+@pytest.mark.parametrize("clip_norm,clipped", [(0.0, 0.0), (0.1, 1.0), (1.0, 1.0)])
+def test_the_clipping_input_is_whether_the_optimizer_clips(clip_norm, clipped):
+    config = small_config()
+    unclipped = fc.step0_inputs(config)
+    config.opt.clip_norm = clip_norm
+    inputs = fc.step0_inputs(config)
+    assert inputs["clipped"] == clipped
+    assert {k: v for k, v in inputs.items() if k != "clipped"} == \
+        {k: v for k, v in unclipped.items() if k != "clipped"}  # a config flag, no theory
+
+
+def test_the_onset_snaps_to_the_runs_own_diagnostic_steps():
+    config = base_config()
+    config.train.steps = 3000
+    config.diag.update({"every": 50, "dense_every": 10, "dense_until": 300})
+    assert [fc.snap_to_diagnostic_step(s, config) for s in (0.2, 3.0, 123.0, 304.0, 326.0,
+                                                            9999.0)] == [1, 1, 120, 300, 350,
+                                                                         3000]
+
+
 def _synthetic(groups: int = 5, per_group: int = 10, seed: int = 3):
     """Rows in groups whose outcomes depend on the inputs and on a per-group shift."""
     rng = np.random.default_rng(seed)

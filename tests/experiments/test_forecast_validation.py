@@ -1,0 +1,90 @@
+"""The forecast's validation over several archives: protocol records carry the leaderboard's
+method names, each archive's runs are counted from its records, and the committed report's
+per-archive numbers are its own runs'."""
+
+import json
+import shutil
+
+import pytest
+
+from configs.sweeps import leaderboard, protocol
+from experiments import forecast_validation as fv
+from postnorm.sweep.archive import read_archive
+from postnorm.sweep.plan import RunSpec, build_config
+from tests.analysis.test_forecast import ARCHIVE, FORECAST_DIR, _independent_auc
+
+
+def _record_config(overrides: dict) -> dict:
+    """The config a sweep run of ``overrides`` records (``experiments.sweep``'s build)."""
+    return build_config(protocol.BASE_CONFIG, RunSpec("", tuple(overrides.items()))).to_dict()
+
+
+@pytest.mark.parametrize("method", protocol.BRACKET_METHODS)
+def test_a_protocol_run_carries_its_leaderboard_method_name(method):
+    clipped = _record_config(protocol._bracket_run(method, 1e-3))
+    unclipped = _record_config(protocol._bracket_run(method, 1e-3, 0.0))
+    assert clipped["opt"]["clip_norm"] == (0.1 if method == "b2t" else protocol.CLIP)
+    assert fv.method_name(clipped) == method
+    # unclipped, B2T holds the fields of the leaderboard's unclipped rescaled B2T
+    assert fv.method_name(unclipped) == ("b2t_rescaled_noclip" if method == "b2t" else method)
+
+
+def test_archived_records_keep_their_method_names():
+    for entry in read_archive(str(ARCHIVE)):
+        assert fv.method_name(entry["config"]) == leaderboard.method_label(entry["config"])
+    for entry in read_archive(protocol.ARCHIVE):  # the protocol's run ids name their method
+        assert entry["run_id"].startswith(fv.method_name(entry["config"]) + "_layers")
+
+
+def test_each_archives_runs_are_counted_from_its_records(tmp_path):
+    measured, unmeasured = tmp_path / "measured", tmp_path / "unmeasured"
+    measured.mkdir()
+    unmeasured.mkdir()
+    paths = sorted(ARCHIVE.glob("*_layers48_lr0.003_warmup20_seed0.json"))[:6]
+    for path in paths[:3]:
+        shutil.copy(path, measured / path.name)
+    for path in paths[3:]:
+        entry = json.loads(path.read_text()) | {"measures": None}
+        (unmeasured / path.name).write_text(json.dumps(entry))
+    stopped = next(e for e in read_archive(str(ARCHIVE)) if e["result"]["status"] != "done")
+    (unmeasured / "stopped.json").write_text(json.dumps(stopped))
+    archives = [str(measured), str(unmeasured)]
+    rows, skipped = fv.archived_rows(archives)
+    counts = fv.archive_counts(rows, archives)
+    assert not skipped
+    for directory, monitored in ((measured, True), (unmeasured, False)):
+        done = [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
+        done = [e for e in done if e["result"]["status"] == "done"]
+        assert counts[str(directory)] == {
+            "runs": len(done), "collapsed": sum(e["result"]["collapse"]["collapsed"] for e in done),
+            "at_the_floor": sum((e["measures"]["fresh_loss_over_lfreq"] if monitored else
+                                 e["result"]["final_eval_loss"] / e["result"]["eval_floor"])
+                                >= 0.95 for e in done),
+            "floor_from_fresh_batches": len(done) if monitored else 0,
+            "floor_from_held_out_loss": 0 if monitored else len(done),
+            "monitored": len(done) if monitored else 0}
+
+
+def test_the_committed_report_scores_each_archive_on_its_own_runs():
+    report = json.loads((FORECAST_DIR / "validation.json").read_text())
+    runs = report["per_run"]
+    assert sum(c["runs"] for c in report["archives"].values()) == report["runs"] == len(runs)
+    for archive, counts in report["archives"].items():
+        mine = [r for r in runs if r["archive"] == archive]
+        assert counts["runs"] == len(mine)
+        assert counts["collapsed"] == sum(r["collapsed"] for r in mine)
+        assert counts["monitored"] == sum(r["monitored"] for r in mine)
+    text = (FORECAST_DIR / "validation.md").read_text()
+    for scheme, result in report["schemes"].items():
+        name = "step 0 (theory + config)"
+        for archive, scores in result["step0_by_archive"].items():
+            mine = [r for r in runs if r["archive"] == archive]
+            assert scores["auc"] == pytest.approx(_independent_auc(
+                [r["collapsed"] for r in mine], [r["p_collapse"][scheme][name] for r in mine]),
+                rel=1e-9, nan_ok=True)
+            assert f"| `{archive}` ({len(mine)}) | {scores['auc']:.3f} |" in text
+        monitored = [r for r in runs if r["monitored"]]
+        confirmation = result["collapse"]["monitor: warned by the last step (a confirmation)"]
+        assert confirmation["auc"] == pytest.approx(_independent_auc(
+            [r["collapsed"] for r in monitored], [r["first_warn"] is not None for r in monitored]),
+            rel=1e-9)
