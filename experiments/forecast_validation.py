@@ -15,9 +15,9 @@ folds, each fitted by ``fc.fit_selected`` on the training fold alone, and the st
 four ``fc.VARIANTS`` each on its own), and the early-warning monitor as archived (its first warn
 by step 30, and by the end of the run: a confirmation; scored on the runs with its replay, the
 leaderboard's measured runs). Method names are read from each record's config
-(``method_name``), never listed here. The step-0 forecast's scores are also given per archive:
-all runs' held-out probabilities scored on each archive's runs. About 45 s on a busy 2-core CPU
-for 275 runs.
+(``configs.sweeps.protocol.method_label``), never listed here. The step-0 forecast's scores are
+also given per archive: all runs' held-out probabilities scored on each archive's runs. About
+45 s on a busy 2-core CPU for 275 runs.
 """
 
 import os
@@ -27,7 +27,7 @@ import matplotlib
 import numpy as np
 from absl import app, flags
 
-from configs.sweeps import leaderboard, protocol
+from configs.sweeps import protocol
 from postnorm.analysis import forecast as fc
 from postnorm.analysis.figures import save_figure
 from postnorm.analysis.tables import cell, markdown_table
@@ -57,23 +57,6 @@ class NoArchivedRunsError(UserError):
     """No archived run with a verdict was found."""
 
 
-def method_name(config: dict) -> str:
-    """The leaderboard's name for a record's method (its config data): the method whose fields
-    it holds (``leaderboard.method_of``), or, for a protocol record, whose fields it holds but
-    the protocol's own clipping and checkpointing (``protocol.method_of``: its B2T clipped at
-    0.1 is ``b2t``, unclipped ``b2t_rescaled_noclip``; its Post-Norm of any warmup ``post``),
-    else its ``model.norm``."""
-    fields = {path: config[path.split(".")[0]][path.split(".")[1]]
-              for path in leaderboard.METHOD_FIELDS
-              if path.split(".")[1] in config.get(path.split(".")[0], {})}
-    for method_of in (leaderboard.method_of, protocol.method_of):
-        try:
-            return method_of(fields)
-        except ValueError:
-            continue
-    return config["model"]["norm"]
-
-
 def archived_rows(archives: list[str]) -> tuple[list[dict], list[str]]:
     """The archived runs with a verdict as the forecast reads them (with their archive, method,
     depth, lr, warmup and seed), and those whose config the forecast cannot read (each with
@@ -88,7 +71,7 @@ def archived_rows(archives: list[str]) -> tuple[list[dict], list[str]]:
                 continue
             if row is not None:
                 config = entry["config"]
-                rows.append(row | {"archive": directory, "method": method_name(config),
+                rows.append(row | {"archive": directory, "method": protocol.method_label(config),
                                    "layers": config["model"]["n_layers"],
                                    "lr": config["opt"]["lr"],
                                    "warmup": config["opt"]["warmup_steps"],

@@ -110,16 +110,17 @@ def method_of(overrides: dict[str, object]) -> str:
     raise ValueError(f"no method of the leaderboard sets {overrides}")
 
 
+def method_fields(config: dict) -> dict[str, object]:
+    """The ``METHOD_FIELDS`` a recorded run's config (its ``config.json`` data) holds."""
+    return {path: config[path.split(".")[0]][path.split(".")[1]] for path in METHOD_FIELDS
+            if path.split(".")[1] in config.get(path.split(".")[0], {})}
+
+
 def method_label(config: dict) -> str:
     """The leaderboard's name for a recorded run's method (its ``config.json`` data), or its
     ``model.norm``."""
-    fields = {}
-    for path in METHOD_FIELDS:
-        section, name = path.split(".")
-        if name in config.get(section, {}):
-            fields[path] = config[section][name]
     try:
-        return method_of(fields)
+        return method_of(method_fields(config))
     except ValueError:
         return config["model"]["norm"]
 

@@ -47,6 +47,7 @@ import json
 import math
 import os
 
+from configs.sweeps import leaderboard
 from configs.sweeps.leaderboard import ALL_METHODS, METHOD_FIELDS
 
 BASE_CONFIG = "configs/default.py"
@@ -110,6 +111,21 @@ def method_of(overrides: dict[str, object]) -> str:
     if not held:
         raise ValueError(f"no method of the leaderboard sets {overrides}")
     return max(held, key=lambda name: len(ALL_METHODS[name]))
+
+
+def method_label(config: dict) -> str:
+    """The leaderboard's name for a recorded run's method (its ``config.json`` data), from the
+    leaderboard's archive or the protocol's: the method whose fields it holds
+    (``leaderboard.method_of``), or whose fields it holds but the protocol's own clipping and
+    checkpointing (``method_of``: a B2T clipped at 0.1 is ``b2t``, unclipped
+    ``b2t_rescaled_noclip``; a Post-Norm of any warmup ``post``), else its ``model.norm``."""
+    fields = leaderboard.method_fields(config)
+    for method_of_fields in (leaderboard.method_of, method_of):
+        try:
+            return method_of_fields(fields)
+        except ValueError:
+            continue
+    return config["model"]["norm"]
 
 
 def _method(method: str) -> dict[str, object]:

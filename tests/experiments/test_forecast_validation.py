@@ -4,14 +4,26 @@ per-archive numbers are its own runs'."""
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 
 from configs.sweeps import leaderboard, protocol
-from experiments import forecast_validation as fv
 from postnorm.sweep.archive import read_archive
 from postnorm.sweep.plan import RunSpec, build_config
 from tests.analysis.test_forecast import ARCHIVE, FORECAST_DIR, _independent_auc
+from tests.reliability_helpers import REPO
+
+# Run in a subprocess: experiments.forecast_validation defines absl flags that
+# experiments.sweep (imported by other tests) defines too.
+COUNT_ARCHIVES = """
+import json, sys
+from experiments import forecast_validation as fv
+archives = sys.argv[1:]
+rows, skipped = fv.archived_rows(archives)
+print(json.dumps({"skipped": skipped, "counts": fv.archive_counts(rows, archives)}))
+"""
 
 
 def _record_config(overrides: dict) -> dict:
@@ -24,16 +36,17 @@ def test_a_protocol_run_carries_its_leaderboard_method_name(method):
     clipped = _record_config(protocol._bracket_run(method, 1e-3))
     unclipped = _record_config(protocol._bracket_run(method, 1e-3, 0.0))
     assert clipped["opt"]["clip_norm"] == (0.1 if method == "b2t" else protocol.CLIP)
-    assert fv.method_name(clipped) == method
+    assert protocol.method_label(clipped) == method
     # unclipped, B2T holds the fields of the leaderboard's unclipped rescaled B2T
-    assert fv.method_name(unclipped) == ("b2t_rescaled_noclip" if method == "b2t" else method)
+    expected = "b2t_rescaled_noclip" if method == "b2t" else method
+    assert protocol.method_label(unclipped) == expected
 
 
 def test_archived_records_keep_their_method_names():
     for entry in read_archive(str(ARCHIVE)):
-        assert fv.method_name(entry["config"]) == leaderboard.method_label(entry["config"])
+        assert protocol.method_label(entry["config"]) == leaderboard.method_label(entry["config"])
     for entry in read_archive(protocol.ARCHIVE):  # the protocol's run ids name their method
-        assert entry["run_id"].startswith(fv.method_name(entry["config"]) + "_layers")
+        assert entry["run_id"].startswith(protocol.method_label(entry["config"]) + "_layers")
 
 
 def test_each_archives_runs_are_counted_from_its_records(tmp_path):
@@ -49,9 +62,12 @@ def test_each_archives_runs_are_counted_from_its_records(tmp_path):
     stopped = next(e for e in read_archive(str(ARCHIVE)) if e["result"]["status"] != "done")
     (unmeasured / "stopped.json").write_text(json.dumps(stopped))
     archives = [str(measured), str(unmeasured)]
-    rows, skipped = fv.archived_rows(archives)
-    counts = fv.archive_counts(rows, archives)
-    assert not skipped
+    result = subprocess.run([sys.executable, "-c", COUNT_ARCHIVES, *archives], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    counted = json.loads(result.stdout)
+    counts = counted["counts"]
+    assert not counted["skipped"]
     for directory, monitored in ((measured, True), (unmeasured, False)):
         done = [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
         done = [e for e in done if e["result"]["status"] == "done"]
