@@ -118,3 +118,37 @@ def test_the_library_does_not_import_the_config_files():
 def test_the_checks_catch_what_they_are_for(graph, upward, cycle):
     assert upward_imports(graph) == upward
     assert cycles(graph) == cycle
+
+
+def _flags_defined(module: pathlib.Path) -> set[str]:
+    """The absl flag names ``module`` defines (``flags.DEFINE_*("name", ...)`` and
+    ``config_flags.DEFINE_config_file("name", ...)``)."""
+    names = set()
+    for node in ast.walk(ast.parse(module.read_text())):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr.startswith("DEFINE") and node.args
+                and isinstance(node.args[0], ast.Constant)):
+            names.add(node.args[0].value)
+    return names
+
+
+def test_the_tests_import_no_two_scripts_that_define_one_flag():
+    """pytest imports every test module into its workers: two scripts imported by tests that
+    define the same absl flag fail collection (DuplicateFlagError). A script's test runs it in a
+    subprocess instead."""
+    scripts = PACKAGE.parent / "experiments"
+    imported = set()
+    for path in (PACKAGE.parent / "tests").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "experiments":
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [node.module] if isinstance(node, ast.ImportFrom) else [
+                    alias.name for alias in node.names]
+                imported |= {n.split(".")[1] for n in names
+                             if n and n.startswith("experiments.") and n.count(".") == 1}
+    owners: dict[str, list[str]] = {}
+    for script in sorted(imported):
+        for flag in _flags_defined(scripts / f"{script}.py"):
+            owners.setdefault(flag, []).append(script)
+    assert {flag: s for flag, s in owners.items() if len(s) > 1} == {}
