@@ -8,8 +8,9 @@ and each planned run's record (matched by config digest, ``postnorm.sweep.archiv
 archived yet is ``missing``), and writes to --out_dir (``postnorm.sweep.protocol_table``):
 
 * ``bracket.md``: per method the held-out loss at step 300 at each rate, clipped then
-  unclipped, its best rate (``(edge)`` while at the grid's edge) and the largest rate at which
-  it trains (no collapse, loss under 0.95 x L_freq); ``bracket.png``: the rate-sensitivity
+  unclipped, its long-run rate (``protocol_table.long_run_choice``; the rate tried next while
+  at an open edge) and the largest rate at which it trains (no collapse, loss under 0.95 x
+  L_freq); ``bracket.png``: the rate-sensitivity
   curves;
 * ``calibration.md``: Post-Norm against Pre-Norm at 12 layers per rate, seed-paired;
 * ``survival.md``: each method at 48 layers against the reference (the better of Pre-Norm and a
@@ -57,8 +58,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCREEN = os.path.join(REPO, "results", "leaderboard", "leaderboard.json")
 SCREEN_CELL = {"layers": 48, "lr": 0.001, "warmup": 20}
 NOT_PLANNED = {
-    "survival": "Not planned yet: a method's survival runs are planned once its best clipped "
-                "rate in the bracket lies inside its grid.",
+    "survival": "Not planned yet: a method's survival runs are planned once its long-run "
+                "rate from the clipped bracket is settled.",
     "width": "Not planned yet: the width step is planned once every survival run is archived."}
 ORDER = tuple(dict.fromkeys((*protocol.BRACKET_METHODS, *protocol.SURVIVAL_METHODS)))
 

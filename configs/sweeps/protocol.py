@@ -17,17 +17,19 @@ own clipping (B2T's 0.1) is part of the method and stays in the bracket. Variant
 same runs at ``BRACKET_LRS`` without clipping (the stress test), run after the survival runs,
 which depend on the bracket alone.
 
-The bracket grows by itself: where a method's best clipped rate (the lowest held-out loss of
-its finished runs in ``ARCHIVE``) is the lowest or the highest rate tried, the next half-decade
-beyond it is planned, so the optimum ends inside the grid (``bracket_rates``).
+The bracket grows by itself: a method's long runs take the rate of its lowest clipped held-out
+loss among the rates below its first failing one (collapse or non-finite) that train (under
+0.95 x L_freq), or, where none trains, the largest rate below the first failing one
+(``postnorm.sweep.protocol_table.long_run_choice``); while that choice sits at an open edge of
+the grid, the next half-decade beyond it is planned (``bracket_rates``).
 
 Variant ``survival``: 48 layers, ``LONG_STEPS`` steps, seeds 0-2, each of ``SURVIVAL_METHODS``
-at its best clipped bracket rate, planned once that rate is inside its bracket (Post-Norm with
+at its long-run rate from the clipped bracket, planned once that rate is settled (Post-Norm with
 the bracket's long warmup): which 300-step verdicts survive ten times more training?
 
 Variant ``width``: one width step, d = 128 (head dim 32) at 48 layers for ``WIDTH_STEPS`` steps,
 seeds 0-1: Post, Pre and the two methods of ``SURVIVAL_METHODS`` with the lowest mean held-out
-loss in the survival runs, each at its d = 64 best rate (not tuned again), planned once every
+loss in the survival runs, each at its d = 64 long-run rate (not tuned again), planned once every
 survival run is archived.
 
 What is cut, and why (sized to about 1.5 days of the 2-core host at ~0.9 s per 48-layer step
@@ -49,6 +51,7 @@ import os
 
 from configs.sweeps import leaderboard
 from configs.sweeps.leaderboard import ALL_METHODS, METHOD_FIELDS
+from postnorm.sweep.protocol_table import half_decade, long_run_choice
 
 BASE_CONFIG = "configs/default.py"
 
@@ -182,24 +185,48 @@ def archived_losses(archive_dir: str, plan: list[dict[str, object]]) -> dict[str
     return losses
 
 
+def archived_bracket(method: str, rates: list[float], archive_dir: str) -> list[dict]:
+    """``method``'s clipped bracket runs at ``rates`` as ``long_run_choice`` reads them, from
+    their records in ``archive_dir`` (``missing`` where there is none)."""
+    rows = []
+    for lr in rates:
+        path = os.path.join(archive_dir, f"{run_name(_bracket_run(method, lr))}.json")
+        result = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                result = json.load(f)["result"]
+        done = result.get("status") == "done"
+        rows.append({"lr": lr, "status": result.get("status", "missing"),
+                     "loss": result.get("final_eval_loss") if done else None,
+                     "collapsed": bool(result["collapse"]["collapsed"]) if done else None,
+                     "lfreq": result.get("lfreq")})
+    return rows
+
+
+def _archived_beyond(method: str, archive_dir: str, half_decades: int = 4) -> list[float]:
+    """The rates of the half-decade ladder past ``BRACKET_LRS`` (up to ``half_decades`` each
+    way) at which ``method``'s clipped bracket run is archived."""
+    found = []
+    for up in (True, False):
+        lr = max(BRACKET_LRS) if up else min(BRACKET_LRS)
+        for _ in range(half_decades):
+            lr = half_decade(lr, up)
+            if os.path.exists(os.path.join(archive_dir,
+                                           f"{run_name(_bracket_run(method, lr))}.json")):
+                found.append(lr)
+    return found
+
+
 def bracket_rates(method: str, archive_dir: str) -> tuple[list[float], float | None]:
-    """The clipped bracket's rates for ``method`` (``BRACKET_LRS``, grown by a half-decade past
-    an edge that holds the lowest held-out loss) and its best rate: the rate of the lowest loss
-    once every rate is archived and that rate is inside the grid, else None."""
-    rates = sorted(BRACKET_LRS)
+    """The clipped bracket's rates for ``method`` (``BRACKET_LRS``, grown by a half-decade while
+    the long runs' rate sits at an open edge) and that rate (``long_run_choice``), None until
+    it is settled). Rates of an earlier growth already archived stay in the grid."""
+    rates = sorted({*BRACKET_LRS, *_archived_beyond(method, archive_dir)})
     while True:
-        losses = archived_losses(archive_dir, [_bracket_run(method, lr) for lr in rates])
-        if len(losses) < len(rates):
-            return rates, None
-        by_rate = [losses[run_name(_bracket_run(method, lr))] for lr in rates]
-        best = min(range(len(rates)), key=by_rate.__getitem__)
-        if not math.isfinite(by_rate[best]):
-            return rates, None
-        if 0 < best < len(rates) - 1:
-            return rates, rates[best]
-        edge = rates[best]
-        grown = float(f"{edge * 10 ** (0.5 if best else -0.5):.1g}")
-        rates = sorted({*rates, grown})
+        choice = long_run_choice(archived_bracket(method, rates, archive_dir))
+        if choice["grow"] is None:
+            return rates, choice["best_lr"]
+        rates = sorted({*rates, choice["grow"]})
 
 
 def _bracket(archive_dir: str) -> list[PlannedRun]:

@@ -47,32 +47,79 @@ def trains(row: dict) -> bool:
         row["loss"] < AT_FLOOR * row["lfreq"]
 
 
+def fails(row: dict) -> bool:
+    """The finished run collapsed, or the run was stopped (a non-finite step)."""
+    return row["status"] != "done" or bool(row["collapsed"])
+
+
+def half_decade(rate: float, up: bool) -> float:
+    """The rate half a decade above (or below) ``rate``, to one significant digit."""
+    return float(f"{rate * 10 ** (0.5 if up else -0.5):.1g}")
+
+
+def long_run_choice(runs: list[dict]) -> dict:
+    """The rate a method's long runs take from its bracket (its runs at one clipping): among the
+    rates below its smallest failing one (``fails``), the lowest held-out loss of those that
+    ``trains`` (``basis`` "trains"); where none trains, the largest of them (``basis``
+    "stable": at the floor the screen cannot rank rates, and the fastest rate the method
+    survives is the nearest to one that trains). ``grow``: the half-decade to try next while
+    the choice sits at an open edge of the grid (a training optimum at the lowest rate, or at
+    the highest with no failure above it; every rate failing; no failure and none training).
+    ``best_lr`` is None until every rate has ended and nothing is left to grow."""
+    runs = sorted(runs, key=lambda r: r["lr"])
+    if any(r["status"] == "missing" for r in runs):
+        return {"best_lr": None, "basis": None, "grow": None}
+    failing = [i for i, r in enumerate(runs) if fails(r)]
+    below = runs[:failing[0]] if failing else runs
+    trained = [r for r in below if trains(r)]
+    if not below:
+        grow = half_decade(runs[0]["lr"], up=False)
+    elif trained:
+        best = min(trained, key=lambda r: r["loss"])
+        grow = (half_decade(best["lr"], up=False) if best is runs[0] else
+                half_decade(best["lr"], up=True) if best is runs[-1] else None)
+    else:
+        best = below[-1]
+        grow = half_decade(best["lr"], up=True) if best is runs[-1] else None
+    if grow is not None:
+        return {"best_lr": None, "basis": None, "grow": grow}
+    return {"best_lr": best["lr"], "basis": "trains" if trained else "stable", "grow": None}
+
+
 def bracket_entries(rows: list[dict]) -> list[dict]:
-    """Per method and half (clipped, unclipped): the held-out loss at each rate, the best rate
-    once every rate is done (``interior``: not the lowest or highest tried) and the largest rate
+    """Per method and half (clipped, unclipped): the held-out loss at each rate, the long runs'
+    rate (``long_run_choice``; ``settled`` once nothing is left to grow) and the largest rate
     at which the run ``trains``."""
     out = []
     for (method, clipped), runs in _group(rows, "method", "clipped").items():
         runs = sorted(runs, key=lambda r: r["lr"])
-        rates = [r["lr"] for r in runs]
         done = all(r["status"] != "missing" for r in runs)
-        finite = [r for r in runs if r["status"] == "done"]
-        best = min(finite, key=lambda r: r["loss"]) if done and finite else None
+        choice = long_run_choice(runs)
+        best = next((r for r in runs if r["lr"] == choice["best_lr"]), None)
         trained = [r["lr"] for r in runs if trains(r)]
         out.append({
-            "method": method, "clipped": clipped, "rates": rates,
+            "method": method, "clipped": clipped, "rates": [r["lr"] for r in runs],
             "runs": {f"{r['lr']:g}": r["run_id"] for r in runs},
             "loss": [r["loss"] for r in runs], "collapsed": [r["collapsed"] for r in runs],
             "status": [r["status"] for r in runs],
-            "best_lr": best["lr"] if best else None, "best_loss": best["loss"] if best else None,
-            "interior": (best is not None and rates[0] < best["lr"] < rates[-1]),
+            "best_lr": choice["best_lr"], "best_loss": best["loss"] if best else None,
+            "basis": choice["basis"], "grow": choice["grow"],
             "largest_trained_lr": max(trained) if done and trained else None})
     return out
 
 
+def _choice_text(entry: dict) -> str:
+    if entry["grow"] is not None:
+        return f"– (next: {entry['grow']:g})"
+    if entry["best_lr"] is None:
+        return "–"
+    return f"{entry['best_lr']:g}" + (" (stable)" if entry["basis"] == "stable" else "")
+
+
 def bracket_markdown(entries: list[dict], order: Sequence[str], lfreq: float) -> str:
     """The bracket as two tables, clipped then unclipped: a column per rate tried (``C``: the
-    run collapsed; ``✗``: stopped by a non-finite step; ``–``: not run yet)."""
+    run collapsed; ``✗``: stopped by a non-finite step; ``–``: not run yet), the long runs'
+    rate (``long_run_choice``) and the largest rate that trains."""
     parts = []
     for clipped in (True, False):
         half = sorted((e for e in entries if e["clipped"] == clipped),
@@ -86,16 +133,18 @@ def bracket_markdown(entries: list[dict], order: Sequence[str], lfreq: float) ->
                        zip(e["rates"], e["status"], e["loss"], e["collapsed"], strict=True)}
             body.append([e["method"], *(_cell_text(by_rate.get(lr)) if lr in by_rate else ""
                                         for lr in rates),
-                         "–" if e["best_lr"] is None else f"{e['best_lr']:g}"
-                         + ("" if e["interior"] else " (edge)"),
+                         _choice_text(e),
                          "–" if e["largest_trained_lr"] is None
                          else f"{e['largest_trained_lr']:g}"])
         title = "Clipped at the protocol's 1.0 (B2T at its own 0.1)" if clipped else \
             "Unclipped (the stress test)"
         parts.append(f"**{title}.** Held-out loss (nats) at step 300 by peak learning rate "
-                     f"(L_freq {lfreq:.3f}).\n\n"
+                     f"(L_freq {lfreq:.3f}). Long-run rate: the lowest loss among the rates "
+                     f"below the first that fails (collapse or non-finite) and that train; "
+                     f"(stable): none trains, the largest rate below the first that fails; "
+                     f"(next: r): the choice is at an open edge, r is tried next.\n\n"
                      + "\n".join(markdown_table(
-                         ["method", *(f"{lr:g}" for lr in rates), "best rate",
+                         ["method", *(f"{lr:g}" for lr in rates), "long-run rate",
                           f"largest rate that trains (no collapse, < {AT_FLOOR:g} × L_freq)"],
                          body)))
     return "\n\n".join(parts) + "\n"

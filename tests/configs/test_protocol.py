@@ -51,11 +51,12 @@ def test_the_bracket_rates_are_half_decades_over_a_factor_of_100():
 
 
 def _archive(tmp_path, losses_by_run: dict) -> str:
-    """An archive holding, per run id, a finished run with that held-out loss (None: a run
-    stopped by a non-finite step)."""
+    """An archive holding, per run id, a finished run with that held-out loss, no collapse and
+    L_freq 6 (None: a run stopped by a non-finite step)."""
     for run_id, loss in losses_by_run.items():
         result = ({"status": "nonfinite", "final_eval_loss": None} if loss is None
-                  else {"status": "done", "final_eval_loss": loss})
+                  else {"status": "done", "final_eval_loss": loss, "lfreq": 6.0,
+                        "collapse": {"collapsed": False}})
         (tmp_path / f"{run_id}.json").write_text(json.dumps({"result": result}))
     return str(tmp_path)
 
@@ -74,19 +75,41 @@ def test_the_bracket_grows_past_an_edge_optimum_until_it_is_inside(tmp_path):
     assert math.log10(grown[-1] / rates[-1]) == pytest.approx(0.5, abs=0.03)
     _archive(tmp_path, {_bracket_id("pre", grown[-1]): 9.0})
     assert protocol.bracket_rates("pre", archive) == (grown, rates[-1])
-    # a method missing a rate, or whose best run diverged, has no best rate yet
+    # a method missing a rate has no rate yet; one failing at every rate tries lower
     assert protocol.bracket_rates("mixln", archive)[1] is None
     _archive(tmp_path, {_bracket_id("sandwich", lr): None for lr in rates})
-    assert protocol.bracket_rates("sandwich", archive) == (rates, None)
-    # the bracket plans the grown rate for pre only; the stress test keeps the base rates
+    lower, best = protocol.bracket_rates("sandwich", archive)
+    assert best is None and lower[1:] == rates
+    assert math.log10(rates[0] / lower[0]) == pytest.approx(0.5, abs=0.03)
+    # the bracket plans the grown rates for pre and sandwich; the stress test keeps the base
     plan = protocol.planned_runs("bracket", archive)
-    assert len(plan) == len(protocol.BRACKET_METHODS) * len(rates) + 1
-    assert _bracket_id("pre", grown[-1]) in {run.run_id for run in plan}
+    assert len(plan) == len(protocol.BRACKET_METHODS) * len(rates) + 2
+    assert {_bracket_id("pre", grown[-1]), _bracket_id("sandwich", lower[0])} <= {
+        run.run_id for run in plan}
     stress = protocol.planned_runs("stress")
     assert len(stress) == len(protocol.BRACKET_METHODS) * len(rates)
     assert all(not run.clipped for run in stress) and all(run.clipped for run in plan)
     # B2T's unclipped runs keep the protocol's name for the method
     assert {run.method for run in stress} == set(protocol.BRACKET_METHODS)
+
+
+def test_a_method_that_trains_at_no_rate_runs_at_its_largest_stable_one(tmp_path):
+    """Collapsed runs at the floor are never chosen, whatever their loss; a rate archived past
+    the base grid (an earlier growth) stays in the grid and in the plan."""
+    rates = sorted(protocol.BRACKET_LRS)
+    losses = {_bracket_id("deepnorm", lr): 5.9 - i / 100 for i, lr in enumerate(rates)}
+    beyond = protocol.half_decade(rates[-1], up=True)
+    archive = _archive(tmp_path, losses | {_bracket_id("deepnorm", beyond): 5.8})
+    for lr in rates[1:-1]:  # collapsed from the second rate to the top of the base grid
+        path = tmp_path / f"{_bracket_id('deepnorm', lr)}.json"
+        entry = json.loads(path.read_text())
+        entry["result"]["collapse"]["collapsed"] = True
+        path.write_text(json.dumps(entry))
+    assert protocol.bracket_rates("deepnorm", archive) == ([*rates, beyond], rates[0])
+    survival = [r for r in protocol.planned_runs("survival", archive) if r.method == "deepnorm"]
+    assert {r.lr for r in survival} == {rates[0]} and len(survival) == len(protocol.SEEDS)
+    assert _bracket_id("deepnorm", beyond) in {
+        r.run_id for r in protocol.planned_runs("bracket", archive)}
 
 
 def test_survival_and_width_are_planned_from_the_archived_best_rates(tmp_path):

@@ -1,5 +1,5 @@
 """The long-horizon protocol's committed report (results/protocol/) against its archive: the
-report-only command regenerates every table from the records alone, and every best rate,
+report-only command regenerates every table from the records alone, and every long-run rate,
 interval and equivalence test it states is recomputed here from the records' held-out losses
 with scipy (tests/paired_reference.py), not with the code that wrote it."""
 
@@ -73,22 +73,35 @@ def _trains(run_id: str) -> bool:
             and result["final_eval_loss"] < 0.95 * result["lfreq"])
 
 
-def test_each_best_bracket_rate_is_the_lowest_archived_loss():
-    """And the largest rate that trains: no collapse, held-out loss under 0.95 x L_freq."""
+def _failed(run_id: str) -> bool:
+    result = json.loads((PROTOCOL / "runs" / f"{run_id}.json").read_text())["result"]
+    return result["status"] != "done" or result["collapse"]["collapsed"]
+
+
+def test_each_long_run_rate_is_recomputed_from_the_records():
+    """The rate below the first failing one (collapse or non-finite) with the lowest loss among
+    those that train, else the largest below the first failure; and the largest rate that
+    trains (no collapse, held-out loss under 0.95 x L_freq)."""
     for entry in _report()["bracket"]:
-        finished = all((PROTOCOL / "runs" / f"{i}.json").exists() for i in entry["runs"].values())
-        trained = [float(lr) for lr, i in entry["runs"].items() if _trains(i)]
+        runs = sorted((float(lr), i) for lr, i in entry["runs"].items())
+        finished = all((PROTOCOL / "runs" / f"{i}.json").exists() for _, i in runs)
+        trained = [lr for lr, i in runs if _trains(i)]
         assert entry["largest_trained_lr"] == (max(trained) if finished and trained else None)
-        losses = {float(lr): _loss(run_id) for lr, run_id in entry["runs"].items()}
         if entry["best_lr"] is None:
-            assert any(not (PROTOCOL / "runs" / f"{i}.json").exists()
-                       for i in entry["runs"].values()) or all(v is None for v in
-                                                               losses.values())
+            assert not finished or entry["grow"] is not None
             continue
-        finite = {lr: v for lr, v in losses.items() if v is not None}
-        best = min(finite, key=finite.get)
-        assert entry["best_lr"] == pytest.approx(best, rel=1e-12)
-        assert entry["interior"] == (min(losses) < best < max(losses))
+        stable = []
+        for lr, run_id in runs:
+            if _failed(run_id):
+                break
+            stable.append((lr, run_id))
+        training = [(_loss(i), lr) for lr, i in stable if _trains(i)]
+        expected = min(training)[1] if training else stable[-1][0]
+        assert entry["best_lr"] == pytest.approx(expected, rel=1e-12)
+        assert entry["basis"] == ("trains" if training else "stable")
+        # settled: not at an open edge of the grid
+        assert expected != runs[0][0] or not training
+        assert expected != runs[-1][0]
 
 
 def _check_gap(gap: dict, method_runs: dict[str, str], reference_runs: dict[str, str]) -> None:

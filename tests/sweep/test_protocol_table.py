@@ -27,11 +27,11 @@ def row(method, seed=0, loss=None, *, lr=1e-3, clipped=True, status="done", coll
             "train_steps": train_steps, "lfreq": 6.0}
 
 
-def test_the_bracket_finds_the_best_rate_and_whether_the_grid_holds_it():
-    """Per method and half: the lowest finished loss once every rate has ended, ``interior``
-    when it is neither end of the grid, the largest rate that trains (finished, no collapse,
-    under 0.95 x L_freq = 5.7 here); a missing rate leaves the best rate open, a non-finite
-    run is never the best."""
+def test_the_bracket_chooses_the_long_run_rate_and_grows_past_an_open_edge():
+    """Per method and half: below the first failing rate (collapse or non-finite), the lowest
+    loss of the rates that train (finished, no collapse, under 0.95 x L_freq = 5.7 here); where
+    none trains, the largest rate below the first failure; the next half-decade while the
+    choice sits at an open edge; nothing while a rate is missing."""
     rates = [3e-4, 1e-3, 3e-3, 1e-2, 3e-2]
     rows = ([row("pre", lr=lr, loss=loss)
              for lr, loss in zip(rates, [5.8, 4.5, 4.2, 4.4, 6.0], strict=True)]
@@ -42,27 +42,36 @@ def test_the_bracket_finds_the_best_rate_and_whether_the_grid_holds_it():
             + [row("mixln", lr=3e-2, status="nonfinite")]
             + [row("sandwich", lr=lr, loss=4.0) for lr in rates[:4]]
             + [row("sandwich", lr=3e-2, status="missing")]
+            # at the floor everywhere, collapsed from 1e-3 on, a lower loss at 3e-2 collapsed
+            + [row("deepnorm", lr=lr, loss=loss, collapsed=lr >= 1e-3)
+               for lr, loss in zip(rates, [6.4, 5.75, 5.76, 5.9, 5.74], strict=True)]
+            + [row("admin", lr=lr, loss=5.8, collapsed=True) for lr in rates]
+            + [row("b2t", lr=lr, loss=6.1) for lr in rates]
             + [row("pre", lr=lr, loss=4.0 + lr, clipped=False) for lr in rates])
     entries = {(e["method"], e["clipped"]): e for e in bracket_entries(rows)}
-    pre = entries[("pre", True)]
-    assert (pre["best_lr"], pre["best_loss"], pre["interior"], pre["largest_trained_lr"]) == \
-        (3e-3, 4.2, True, 1e-2)  # 6.0 at 3e-2 is at the floor
-    post = entries[("post", True)]
-    assert (post["best_lr"], post["largest_trained_lr"]) == (1e-3, 1e-3)
-    mixln = entries[("mixln", True)]  # diverged at the top: best at 1e-2, inside the grid
-    assert (mixln["best_lr"], mixln["interior"], mixln["largest_trained_lr"]) == (1e-2, True,
-                                                                                  1e-2)
-    sandwich = entries[("sandwich", True)]
-    assert (sandwich["best_lr"], sandwich["interior"], sandwich["largest_trained_lr"]) == \
-        (None, False, None)
-    unclipped = entries[("pre", False)]
-    assert (unclipped["best_lr"], unclipped["interior"]) == (3e-4, False)
-    text = bracket_markdown(list(entries.values()), ["pre", "post", "mixln", "sandwich"], 6.0)
+
+    def chosen(method, clipped=True):
+        e = entries[(method, clipped)]
+        return e["best_lr"], e["basis"], e["grow"], e["largest_trained_lr"]
+
+    assert chosen("pre") == (3e-3, "trains", None, 1e-2)  # 6.0 at 3e-2 is at the floor
+    assert entries[("pre", True)]["best_loss"] == 4.2
+    assert chosen("post") == (1e-3, "trains", None, 1e-3)
+    assert chosen("mixln") == (1e-2, "trains", None, 1e-2)  # bounded by the divergence above
+    assert chosen("sandwich") == (None, None, None, None)
+    assert chosen("deepnorm") == (3e-4, "stable", None, None)  # never the collapsed 5.74
+    assert chosen("admin") == (None, None, 9e-5, None)  # every rate fails: try lower
+    assert chosen("b2t") == (None, None, 0.09, None)  # none fails, none trains: try higher
+    assert chosen("pre", clipped=False) == (None, None, 9e-5, 3e-2)  # optimum at the bottom
+    order = ["pre", "post", "mixln", "sandwich", "deepnorm", "admin", "b2t"]
+    text = bracket_markdown(list(entries.values()), order, 6.0)
     clipped_half, unclipped_half = text.split("**Unclipped")
     assert "| post | 5.900 | 5.000 | 5.870 C | 5.900 C | 5.900 C | 0.001 | 0.001 |" in clipped_half
     assert "| mixln | 5.700 | 4.600 | 4.300 | 4.100 | ✗ | 0.01 | 0.01 |" in clipped_half
     assert "| sandwich | 4.000 | 4.000 | 4.000 | 4.000 | – | – | – |" in clipped_half
-    assert "| pre | 4.000 | 4.001 | 4.003 | 4.010 | 4.030 | 0.0003 (edge) | 0.03 |" in \
+    assert "| deepnorm | 6.400 | 5.750 C | 5.760 C | 5.900 C | 5.740 C | 0.0003 (stable) | – |" \
+        in clipped_half
+    assert "| pre | 4.000 | 4.001 | 4.003 | 4.010 | 4.030 | – (next: 9e-05) | 0.03 |" in \
         unclipped_half
 
 
