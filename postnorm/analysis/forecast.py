@@ -14,10 +14,10 @@ Inputs, never outcomes (``step0_inputs``):
   ``train.steps``: how much of the run the init's similarity profile governs;
 * ``log2_layers``, ``log_lr``, ``warmup_fraction``;
 * the training-time methods, which the theory at init cannot see, as config flags:
-  ``qk_norm``, ``grad_repair``, ``z_loss``, ``diversity``, ``monitor_action``,
-  ``residual_budget``, ``placement_controller`` (the adaptive placement's lambda moves during
-  training, either signal) and ``placement_two_way`` (its signal is ``two_way``). A fixed
-  lambda profile (``model.adaptive_profile``) is no flag: the theory reads it;
+  ``qk_norm``, ``grad_repair``, ``z_loss``, ``diversity``, ``monitor_action`` and
+  ``residual_budget``. The adaptive placement's lambda controller is no flag: the theory's
+  inputs above are read at the profile it settles at under the mean-field theory
+  (``settled_spec``), as a fixed profile (``model.adaptive_profile``) is read as given;
 * ``clipped``: whether the optimizer clips the global gradient norm (``opt.clip_norm`` > 0). A
   flag, not the norm: whether a clip acts depends on the gradient's norm during training, which
   the theory at init does not give, and the archive holds two norms only (B2T's 0.1, the
@@ -42,17 +42,18 @@ from postnorm.analysis.collapse import DEFAULT_RULE, half_alike_step
 from postnorm.config.schema import base_config
 from postnorm.diagnostics.schedule import diagnostic_steps
 from postnorm.errors import UserError
-from postnorm.model.placements import PLACEMENTS, init_gains
+from postnorm.model.placements import PLACEMENTS, init_gains, profile_text
 from postnorm.model.similarity_init import with_similarity_init
 from postnorm.model.spec import ModelSpec
 from postnorm.train.optim import learning_rate_schedule
+from postnorm.train.placement_control import PlacementControl, placement_control
 
 MODEL_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "results", "figures", "forecast", "model.json")
 THEORY = ("tsim_max", "tsim_mean", "log_skip_gain", "log_erase_fraction")
 SCHEDULE = ("log2_layers", "log_lr", "warmup_fraction")
 TRAINING_FLAGS = ("qk_norm", "grad_repair", "z_loss", "diversity", "monitor_action",
-                  "residual_budget", "placement_controller", "placement_two_way", "clipped")
+                  "residual_budget", "clipped")
 STEP0 = THEORY + SCHEDULE + TRAINING_FLAGS
 EARLY = STEP0 + ("alike_fraction_early",)  # + the diagnostics of the first EARLY_STEPS steps
 BASELINE = ("log2_layers", "log_lr")
@@ -79,13 +80,46 @@ def full_config(data: dict | ml_collections.ConfigDict) -> ml_collections.Config
     return config
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=1024)
 def _init_trace(spec: ModelSpec, t_input: float) -> theory.MeanFieldTrace:
     amt = theory.amounts(spec.d_model, spec.d_ff, spec.init).with_gains(init_gains(spec))
     n = spec.max_len
     rho = float(theory.ec_rho(t_input, n))
     return theory.mean_field_recursion((1 - rho) * np.eye(n) + rho, spec.n_layers, amt,
                                        PLACEMENTS[spec.norm].gram_maps(spec))
+
+
+def mean_field_alarm(control: PlacementControl, trace: theory.MeanFieldTrace) -> np.ndarray:
+    """``PlacementControl.alarm`` [L, 2] on the mean-field trace's statistics: c (its
+    ``c_mean``) under c_min or the sublayer's input tsim over tsim_max for ``post_input_c``;
+    the backward gain (its ``sublayer_skip_gain``) under gain_min for ``two_way``."""
+    if control.signal == "two_way":
+        return trace.sublayer_skip_gain < control.gain_min
+    tsim_in_Lx2 = np.stack([trace.tsim_in, trace.tsim_after[:, 0]], axis=1)
+    return (trace.c_mean < control.c_min) | (tsim_in_Lx2 > control.tsim_max)
+
+
+@functools.lru_cache(maxsize=64)
+def settled_spec(spec: ModelSpec, t_input: float, control: PlacementControl | None,
+                 acts: int) -> ModelSpec:
+    """``spec`` with the lambda profile the controller leaves after ``acts`` diagnostic steps
+    under the mean-field theory at init: from the init profile, at each step the controller's
+    rule (lambda - rate_down where ``mean_field_alarm`` on the current profile's trace, else
+    lambda + rate_up, clipped to [0, 1]), stopping at a fixed point; ``spec`` itself without a
+    controller. The weights stay at init: the profile the init's statistics drive lambda to."""
+    if control is None:
+        return spec
+    mix_Lx2 = PLACEMENTS[spec.norm].post_mix(spec)
+    for _ in range(acts):
+        trace = _init_trace(dataclasses.replace(spec, adaptive_profile=profile_text(mix_Lx2)),
+                            t_input)
+        down, up = (np.asarray(r, mix_Lx2.dtype) for r in (control.rate_down, control.rate_up))
+        moved_Lx2 = np.clip(np.where(mean_field_alarm(control, trace), mix_Lx2 - down,
+                                     mix_Lx2 + up), 0, 1).astype(mix_Lx2.dtype)
+        if np.array_equal(moved_Lx2, mix_Lx2):
+            break
+        mix_Lx2 = moved_Lx2
+    return dataclasses.replace(spec, adaptive_profile=profile_text(mix_Lx2))
 
 
 def model_spec(config: ml_collections.ConfigDict) -> ModelSpec:
@@ -130,10 +164,11 @@ def step0_inputs(data: dict | ml_collections.ConfigDict) -> dict[str, float]:
     if config.train.steps < 1 or config.opt.lr <= 0:
         raise ForecastError("train.steps and opt.lr must be positive for a forecast")
     spec = model_spec(config)
-    trace = _init_trace(spec, float(config.model.init_tsim_input))
     steps = int(config.train.steps)
+    t_input = float(config.model.init_tsim_input)
+    acts = len(diagnostic_steps(steps, config.diag))
+    trace = _init_trace(settled_spec(spec, t_input, placement_control(config), acts), t_input)
     erase = min(erase_step(config.opt, steps, init_scale(spec, name)) for name in ("w_v", "w_o"))
-    controller = spec.norm == "adaptive" and bool(config.train.placement_controller)
     return {
         "tsim_max": float(trace.tsim_after.max()),
         "tsim_mean": float(trace.tsim_in.mean()),
@@ -148,8 +183,6 @@ def step0_inputs(data: dict | ml_collections.ConfigDict) -> dict[str, float]:
         "diversity": float(config.opt.diversity_weight > 0),
         "monitor_action": float(config.monitor.action != "none"),
         "residual_budget": float(spec.residual_budget != "none"),
-        "placement_controller": float(controller),
-        "placement_two_way": float(controller and config.train.placement_signal == "two_way"),
         "clipped": float(config.opt.clip_norm > 0),
     }
 

@@ -205,18 +205,26 @@ def layer_skip_ffn_step(g_in_NxN: np.ndarray, branch_attn_NxN: np.ndarray, g_h_N
     return (correlation(y) if maps.normalized_stream else y), y
 
 
+def mean_contraction(y_NxN: Gram) -> float:
+    """c of a unit-weight RMSNorm on the sum y averaged over the rows (tokens): the mean of
+    1 / RMS(y_i) = y_ii^(-1/2), the diagnostics' ``c_mean`` at init."""
+    return float(np.mean(1.0 / np.sqrt(np.diag(y_NxN))))
+
+
 def summed_step(g_NxN: Gram, b_NxN: Gram, maps: GramMaps, omega_sq: float
-                ) -> tuple[Gram, float, float]:
+                ) -> tuple[Gram, float, float, float]:
     """The Gram after a sublayer without a layer skip, from its input's G and its branch's B,
     Admin's running omega^2 after it (``GramMaps.profiled_skip``; else ``omega_sq``
-    unchanged) and the sublayer's skip-path gain (``GramMaps.skip_path_gain``)."""
+    unchanged), the sublayer's skip-path gain (``GramMaps.skip_path_gain``) and its sum's
+    ``mean_contraction``."""
     gain = float(np.sqrt(omega_sq)) if maps.profiled_skip else maps.skip_gain
-    skip = maps.skip_path_gain(gain**2 * g_NxN + b_NxN, gain)
+    y = gain**2 * g_NxN + b_NxN
+    skip, c_mean = maps.skip_path_gain(y, gain), mean_contraction(y)
     if not maps.profiled_skip:
-        return maps.combine(g_NxN, b_NxN), omega_sq, skip
+        return maps.combine(g_NxN, b_NxN), omega_sq, skip, c_mean
     n = len(g_NxN)
     return (maps.combine(g_NxN, b_NxN, gain),
-            omega_sq * float(np.trace(g_NxN)) / n + float(np.trace(b_NxN)) / n, skip)
+            omega_sq * float(np.trace(g_NxN)) / n + float(np.trace(b_NxN)) / n, skip, c_mean)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +241,12 @@ class MeanFieldTrace:
       its input around both branches: the product of its sublayers' ``GramMaps.skip_path_gain``
       (Stage II's product of contractions c in Post-Norm, 1 in Pre-Norm); with a layer skip
       (B2T), c_FFN (1 + c_attn), the paths through h = N(X + A) and past it added.
+    sublayer_skip_gain: [n_layers, 2], each sublayer's ``GramMaps.skip_path_gain``, from its
+      output to its input (B2T's FFN: to h, the layer skip's path aside): the mean-field
+      backward gain ||dL/dX_in|| / ||dL/dX_out|| of ``postnorm.train.placement_control``, the
+      branch's path left out as in ``skip_gain`` (whose factors these are without a layer skip).
+    c_mean: [n_layers, 2], each sublayer's ``mean_contraction`` of its sum y = skip + branch
+      (the norm input; in a mixed sublayer the Post norm's, whatever lambda).
     """
 
     tsim_after: np.ndarray
@@ -240,6 +254,8 @@ class MeanFieldTrace:
     energy_attn: np.ndarray
     delta_attn: np.ndarray
     skip_gain: np.ndarray
+    sublayer_skip_gain: np.ndarray
+    c_mean: np.ndarray
 
 
 def mean_field_recursion(g0_NxN: np.ndarray, n_layers: int, amt: Amounts,
@@ -263,7 +279,7 @@ def mean_field_recursion(g0_NxN: np.ndarray, n_layers: int, amt: Amounts,
         branch = attn_branch_gram(g, amt.s, attn_maps)
         energy = np.trace(branch) / np.trace(g)
         delta = tsim_of_gram(g + branch) - t_in
-        g, omega_sq, skip_attn = summed_step(g, branch, attn_maps, omega_sq)
+        g, omega_sq, skip_attn, c_attn = summed_step(g, branch, attn_maps, omega_sq)
         t_attn = tsim_of_gram(g)
         if ffn_maps.layer_skip:
             if (not attn_maps.normalized_stream or ffn_maps.skip_gain != 1.0
@@ -272,14 +288,17 @@ def mean_field_recursion(g0_NxN: np.ndarray, n_layers: int, amt: Amounts,
                                  "sublayer and without a skip gain")
             b_ffn = ffn_maps.branch_output(ffn_branch_gram(g, amt.xi, kernel))
             g, y = layer_skip_ffn_step(g_layer_in, branch, g, b_ffn, ffn_maps)
-            skip = ffn_maps.skip_path_gain(y) * (1 + skip_attn)
+            skip_ffn, c_ffn = ffn_maps.skip_path_gain(y), mean_contraction(y)
+            skip = skip_ffn * (1 + skip_attn)
         else:
-            g, omega_sq, skip_ffn = summed_step(
+            g, omega_sq, skip_ffn, c_ffn = summed_step(
                 g, ffn_maps.branch_output(ffn_branch_gram(g, amt.xi, kernel)), ffn_maps, omega_sq)
             skip = skip_attn * skip_ffn
-        rows.append((t_attn, tsim_of_gram(g), t_in, energy, delta, skip))
+        rows.append((t_attn, tsim_of_gram(g), t_in, energy, delta, skip, skip_attn, skip_ffn,
+                     c_attn, c_ffn))
         if stop_above is not None and max(rows[-1][:2]) > stop_above:
             break
     out = np.array(rows)
     return MeanFieldTrace(tsim_after=out[:, :2], tsim_in=out[:, 2], energy_attn=out[:, 3],
-                          delta_attn=out[:, 4], skip_gain=out[:, 5])
+                          delta_attn=out[:, 4], skip_gain=out[:, 5],
+                          sublayer_skip_gain=out[:, 6:8], c_mean=out[:, 8:10])
