@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -13,6 +14,9 @@ from tensorboardX.proto import event_pb2
 from configs.default import get_config
 
 REPO = Path(__file__).resolve().parents[1]
+ABSL_LINE = re.compile(r"^([IWEF])\d{4} [\d:.]+\s+\d+ ([^:\]]+):\d+\] ")
+PROJECT_FILES = {p.name for top in ("postnorm", "experiments", "configs")
+                 for p in (REPO / top).rglob("*.py")} | {"main.py"}
 WORDS = ("the", "model", "layer", "norm", "token", "attention", "residual", "gradient",
          "loss", "collapse", "post", "pre", "value", "key", "query", "scale", "rank")
 
@@ -153,3 +157,9 @@ def tensorboard_scalars(workdir: Path, tag: str) -> dict[int, list[float]]:
                 if value.tag == tag:
                     shown.setdefault(event.step, []).append(value.simple_value)
     return shown
+
+
+def third_party_info(lines: list[str]) -> list[str]:
+    """absl-format INFO lines logged from a file outside the project."""
+    return [line for line in lines if (m := ABSL_LINE.match(line)) and m[1] == "I"
+            and m[2] not in PROJECT_FILES]

@@ -31,11 +31,12 @@ def is_project_file(path: str) -> bool:
 
 
 class ThirdPartyFilter(logging.Filter):
-    """Passes the project's own records, and other sources' at or above ``level``."""
+    """Passes the project's own records, and other sources' at or above ``name`` (a
+    ``LOG_LEVELS`` key)."""
 
-    def __init__(self, level: int):
+    def __init__(self, name: str):
         super().__init__()
-        self.level = level
+        self.level_name, self.level = name, LOG_LEVELS[name]
 
     def filter(self, record: logging.LogRecord) -> bool:
         return record.levelno >= self.level or is_project_file(record.pathname)
@@ -48,4 +49,17 @@ def set_log_level(level: str) -> None:
     handler = absl_logging.get_absl_handler()
     for old in [f for f in handler.filters if isinstance(f, ThirdPartyFilter)]:
         handler.removeFilter(old)
-    handler.addFilter(ThirdPartyFilter(LOG_LEVELS[level]))
+    handler.addFilter(ThirdPartyFilter(level))
+
+
+def current_log_level() -> str | None:
+    """The level ``set_log_level`` last set in this process (None: never), for a worker process
+    to set the same."""
+    chosen = [f for f in absl_logging.get_absl_handler().filters
+              if isinstance(f, ThirdPartyFilter)]
+    return chosen[-1].level_name if chosen else None
+
+
+def most_verbose(levels) -> str:
+    """The most verbose of ``levels`` (``LOG_LEVELS`` keys), e.g. for a sweep of runs."""
+    return min(levels, key=LOG_LEVELS.__getitem__)

@@ -12,6 +12,7 @@ from absl import logging
 from postnorm.config import ConfigError, config_data, config_digest
 from postnorm.config.args import ConfigArgError
 from postnorm.data import DataError, load_data
+from postnorm.runtime.console import LOG_LEVELS, most_verbose, set_log_level
 from postnorm.sweep.archive import (
     ArchiveError,
     Measure,
@@ -42,19 +43,28 @@ from postnorm.workdir.config_record import (
 def planned_configs(base_config: str, specs: list[RunSpec],
                     extra: dict[str, str]) -> list[ml_collections.ConfigDict]:
     """Every run's config, each validated (``check_config``) before any run starts; an error
-    names the run. Two runs of the same config are refused (e.g. ``lr=1`` and ``lr=1.0``)."""
-    configs, seen = [], {}
+    names the run. Two runs of the same config are refused (e.g. ``lr=1`` and ``lr=1.0``).
+    Before JAX starts its backends, the console takes the most verbose ``runtime.log_level``
+    of the runs (``set_log_level``), which the worker processes inherit."""
+    configs = []
     for number, spec in enumerate(specs, 1):
         try:
-            config = build_config(base_config, spec, extra)
+            configs.append(build_config(base_config, spec, extra))
+        except (ConfigArgError, ConfigError, DataError) as err:
+            raise SweepError(f"sweep run {number}/{len(specs)} ({spec.run_id}): {err}") from err
+    levels = {config.get("runtime", {}).get("log_level") for config in configs}
+    if levels and levels <= set(LOG_LEVELS):  # else check_config names the bad field below
+        set_log_level(most_verbose(levels))
+    seen = {}
+    for number, (spec, config) in enumerate(zip(specs, configs, strict=True), 1):
+        try:
             check_config(config, device_count=jax.device_count(),
                          process_count=jax.process_count())
-        except (ConfigArgError, ConfigError, DataError) as err:
+        except (ConfigError, DataError) as err:
             raise SweepError(f"sweep run {number}/{len(specs)} ({spec.run_id}): {err}") from err
         if (twin := seen.setdefault(config_digest(config), spec.run_id)) != spec.run_id:
             raise SweepError(f"sweep runs {twin} and {spec.run_id} have the same config: "
                              "drop one of them from the sweep")
-        configs.append(config)
     return configs
 
 

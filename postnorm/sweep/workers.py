@@ -9,10 +9,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 
-from absl import app
+from absl import app, flags
 from absl import logging as absl_logging
 
 from postnorm.errors import Stopped
+from postnorm.runtime.console import current_log_level, set_log_level
 from postnorm.runtime.preemption import PreemptionWatch, record_stop_requests, stop_requested
 
 
@@ -40,10 +41,13 @@ _STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 _sweep_stopping = None  # in a worker: the parent's event, set once the pool is stopping
 
 
-def _start_worker(groups, pids, stopping, verbosity: int) -> None:
+def _start_worker(groups, pids, stopping, verbosity: int, log_level: str | None) -> None:
     global _sweep_stopping
+    flags.FLAGS.mark_as_parsed()  # a worker takes no flags: absl need not warn that none parsed
     absl_logging.use_absl_handler()  # the parent's log lines, at its verbosity, on stderr
     absl_logging.set_verbosity(verbosity)
+    if log_level is not None:  # and other libraries' at the parent's level, from JAX's start
+        set_log_level(log_level)
     record_stop_requests()  # a signal between runs must not kill the worker (and the pool)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked since the parent spawned it
     _sweep_stopping = stopping
@@ -126,7 +130,8 @@ def run_pinned(fn: Callable, jobs: Sequence[tuple], workers: int,
         try:
             pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
                                        initargs=(groups, pids, stopping_event,
-                                                 absl_logging.get_verbosity()))
+                                                 absl_logging.get_verbosity(),
+                                                 current_log_level()))
             futures = [pool.submit(_run_job, fn, job) for job in jobs]
             index_of = {future: index for index, future in enumerate(futures)}
         finally:

@@ -12,15 +12,16 @@ import numpy as np
 import pytest
 
 from tests.reliability_helpers import (
+    ABSL_LINE,
+    PROJECT_FILES,
     REPO,
     config_flag,
     jax_cache_dir,
     subprocess_env,
+    third_party_info,
     write_corpus,
 )
 
-ABSL_LINE = re.compile(r"^([IWEF])\d{4} [\d:.]+\s+\d+ ([^:\]]+):\d+\] ")
-PROJECT_FILES = {p.name for p in (REPO / "postnorm").rglob("*.py")} | {"main.py"}
 ORBAX_FILES = ("checkpoint_manager.py", "async_checkpointer.py", "atomicity.py")
 EARLY_LAYERS, SMOOTHING = 4, 3  # the collapse rule's defaults (postnorm.analysis.collapse)
 
@@ -33,12 +34,6 @@ def run_console(flag: str, workdir: Path, cache_dir: Path, timeout: float = 300)
                           env=subprocess_env(cache_dir))
     assert done.returncode == 0, done.stdout[-3000:]
     return done.stdout.splitlines()
-
-
-def third_party_info(lines: list[str]) -> list[str]:
-    """absl-format INFO lines logged from a file outside the project."""
-    return [line for line in lines if (m := ABSL_LINE.match(line)) and m[1] == "I"
-            and m[2] not in PROJECT_FILES]
 
 
 def expected_numbers(workdir: Path) -> dict:

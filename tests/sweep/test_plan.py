@@ -27,7 +27,7 @@ from postnorm.train.loop import train_and_evaluate
 from postnorm.train.programs import resolve_attention
 from postnorm.workdir import config_record as run_config
 from postnorm.workdir.metrics import layer_key
-from tests.reliability_helpers import REPO
+from tests.reliability_helpers import REPO, third_party_info
 
 STABILITY = "configs/sweeps/stability.py"
 STABILITY_BASE = "configs/default.py"
@@ -371,13 +371,16 @@ def test_a_one_run_sweep_refuses_an_override_of_a_field_its_run_id_names():
 
 @pytest.mark.parametrize("override", [[], ["--override", "runtime.allocator=system"]])
 def test_the_sweep_command_writes_the_report(tmp_path, override):
+    as_a_user = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # JAX logs probes
     result = subprocess.run(
         [sys.executable, "-m", "experiments.sweep", "--sweep", f"{STABILITY}:smoke",
          "--out_dir", str(tmp_path), "--report_only", *override],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+        cwd=REPO, capture_output=True, text=True, timeout=300, env=as_a_user)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads((tmp_path / "summary.json").read_text())
     assert len(rows) == 8 and {row["status"] for row in rows} == {"missing"}
+    # the runs' runtime.log_level (warning) holds from the start: no library's INFO lines
+    assert not third_party_info(result.stderr.splitlines()), result.stderr[-3000:]
 
 
 def test_the_sweep_command_stops_with_exit_2_on_a_workdir_of_another_config(tmp_path):

@@ -195,3 +195,29 @@ def test_the_workers_log_at_the_parents_verbosity(verbosity, shown):
     for index in (0, 1):
         for what in ("progress", "details"):
             assert (f"job {index} logs {what}" in result.stderr) == (what in shown), what
+
+
+LEVEL_PARENT = """
+from absl import app
+from postnorm.runtime.console import set_log_level
+from postnorm.sweep.workers import run_pinned
+from tests.sweep.test_workers import logging_job
+
+def main(argv):
+    set_log_level(argv[1])
+    print(run_pinned(logging_job, [(0,), (1,)], 2))
+
+app.run(main)
+"""
+
+
+@pytest.mark.parametrize("level, shown", [("warning", False), ("info", True)])
+def test_the_workers_show_other_libraries_lines_at_the_parents_log_level(level, shown):
+    """A job's INFO line from outside the project (this test file) passes in the workers only
+    where the parent's ``set_log_level`` passes it, and no worker warns of unparsed flags."""
+    result = subprocess.run([sys.executable, "-c", LEVEL_PARENT, level], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[0, 1]" in result.stdout
+    assert ("job 0 logs progress" in result.stderr) == shown
+    assert "Logging before flag parsing" not in result.stderr
