@@ -9,6 +9,11 @@ Inputs, never outcomes (``step0_inputs``):
   at the layers' attention inputs, from an equicorrelated input of ``model.init_tsim_input``;
 * ``log_skip_gain``: log of the product over the layers of the skip paths' backward gain at init
   (``MeanFieldTrace.skip_gain``): Stage II's product of contractions c;
+* ``post_share``: the share of sublayers whose skip path passes a norm (skip-path gain under 1
+  at init, ``MeanFieldTrace.sublayer_skip_gain``): where c multiplies the skip path, so where
+  the growth of ||y|| that the learning rate drives in Stage II reaches the early layers;
+* ``log_lr_on_post``: ``post_share`` x ``log_lr``, the learning rate acting through those
+  sublayers (a Pre-Norm arrangement's rate does not enter Stage II's product);
 * ``log_erase_fraction``: log of the step at which Adam has moved W_V or W_O (the matrices of
   the attention amount s) by its init scale, lr per step summed over the schedule, over
   ``train.steps``: how much of the run the init's similarity profile governs;
@@ -50,8 +55,9 @@ from postnorm.train.placement_control import PlacementControl, placement_control
 
 MODEL_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "results", "figures", "forecast", "model.json")
-THEORY = ("tsim_max", "tsim_mean", "log_skip_gain", "log_erase_fraction")
-SCHEDULE = ("log2_layers", "log_lr", "warmup_fraction")
+THEORY = ("tsim_max", "tsim_mean", "log_skip_gain", "post_share", "log_erase_fraction")
+SCHEDULE = ("log2_layers", "log_lr", "log_lr_on_post", "warmup_fraction")
+SKIP_NORMED = 1 - 1e-6  # a sublayer skip-path gain under this passes a norm (c < 1)
 TRAINING_FLAGS = ("qk_norm", "grad_repair", "z_loss", "diversity", "monitor_action",
                   "residual_budget", "clipped")
 STEP0 = THEORY + SCHEDULE + TRAINING_FLAGS
@@ -169,13 +175,16 @@ def step0_inputs(data: dict | ml_collections.ConfigDict) -> dict[str, float]:
     acts = len(diagnostic_steps(steps, config.diag))
     trace = _init_trace(settled_spec(spec, t_input, placement_control(config), acts), t_input)
     erase = min(erase_step(config.opt, steps, init_scale(spec, name)) for name in ("w_v", "w_o"))
+    post_share = float(np.mean(trace.sublayer_skip_gain < SKIP_NORMED))
     return {
         "tsim_max": float(trace.tsim_after.max()),
         "tsim_mean": float(trace.tsim_in.mean()),
         "log_skip_gain": float(np.sum(np.log(trace.skip_gain))),
+        "post_share": post_share,
         "log_erase_fraction": math.log(erase / steps),
         "log2_layers": math.log2(spec.n_layers),
         "log_lr": math.log(config.opt.lr),
+        "log_lr_on_post": post_share * math.log(config.opt.lr),
         "warmup_fraction": config.opt.warmup_steps / steps,
         "qk_norm": float(spec.qk_norm),
         "grad_repair": float(bool(config.train.grad_repair)),

@@ -191,6 +191,21 @@ def test_without_a_controller_the_theory_inputs_are_the_init_traces(model, train
         float(np.sum(np.log(trace.skip_gain))))
 
 
+@pytest.mark.parametrize("model, share", [
+    ({"norm": "pre"}, 0.0), ({"norm": "sandwich"}, 0.0), ({"norm": "periln"}, 0.0),
+    ({"norm": "post"}, 1.0), ({"norm": "deepnorm", "init": "xavier_normal"}, 1.0),
+    ({"norm": "admin"}, 1.0),
+    ({"norm": "mixln", "n_layers": 8, "mixln_post_fraction": 0.25}, 0.25),  # 2 Post layers of 8
+    ({"norm": "adaptive", "adaptive_initial_mix": 0.5}, 1.0)])  # every sublayer half Post
+def test_the_post_share_is_the_share_of_sublayers_with_a_norm_on_the_skip_path(model, share):
+    config = small_config(**model)
+    config.train.placement_controller = False
+    config.opt.lr = 3e-3
+    inputs = fc.step0_inputs(config)
+    assert inputs["post_share"] == share
+    assert inputs["log_lr_on_post"] == pytest.approx(share * np.log(3e-3), abs=1e-12)
+
+
 @pytest.mark.parametrize("warmup,schedule", [(20, "cosine"), (100, "cosine"), (5, "constant")])
 def test_erase_step_sums_the_schedules_formula(warmup, schedule):
     config = base_config()
