@@ -45,12 +45,12 @@ ordering (Post-Norm, when it trains, at least as good as Pre-Norm)?
 """
 
 import dataclasses
-import json
 import math
 import os
 
 from configs.sweeps import leaderboard
 from configs.sweeps.leaderboard import ALL_METHODS, METHOD_FIELDS
+from postnorm.sweep.archive import archive_path, read_entry
 from postnorm.sweep.protocol_table import half_decade, long_run_choice
 
 BASE_CONFIG = "configs/default.py"
@@ -171,15 +171,19 @@ def _bracket_run(method: str, lr: float, clip: float = CLIP) -> dict[str, object
     return {**fields, "opt.clip_norm": clip} if clip != CLIP else fields
 
 
+def _archived_result(archive_dir: str, overrides: dict[str, object]) -> dict | None:
+    """The ``result`` of the run of ``overrides`` recorded in ``archive_dir``, or None."""
+    path = archive_path(archive_dir, run_name(overrides))
+    return read_entry(path)["result"] if os.path.exists(path) else None
+
+
 def archived_losses(archive_dir: str, plan: list[dict[str, object]]) -> dict[str, float]:
     """Held-out loss at the end of each run of ``plan`` recorded in ``archive_dir``, by run id
     (infinite for a run stopped by a non-finite step); runs not recorded are absent."""
     losses = {}
     for overrides in plan:
-        path = os.path.join(archive_dir, f"{run_name(overrides)}.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                result = json.load(f)["result"]
+        result = _archived_result(archive_dir, overrides)
+        if result is not None:
             done = result["status"] == "done" and result.get("final_eval_loss") is not None
             losses[run_name(overrides)] = result["final_eval_loss"] if done else math.inf
     return losses
@@ -190,11 +194,7 @@ def archived_bracket(method: str, rates: list[float], archive_dir: str) -> list[
     their records in ``archive_dir`` (``missing`` where there is none)."""
     rows = []
     for lr in rates:
-        path = os.path.join(archive_dir, f"{run_name(_bracket_run(method, lr))}.json")
-        result = {}
-        if os.path.exists(path):
-            with open(path) as f:
-                result = json.load(f)["result"]
+        result = _archived_result(archive_dir, _bracket_run(method, lr)) or {}
         done = result.get("status") == "done"
         rows.append({"lr": lr, "status": result.get("status", "missing"),
                      "loss": result.get("final_eval_loss") if done else None,
@@ -211,8 +211,7 @@ def _archived_beyond(method: str, archive_dir: str, half_decades: int = 4) -> li
         lr = max(BRACKET_LRS) if up else min(BRACKET_LRS)
         for _ in range(half_decades):
             lr = half_decade(lr, up)
-            if os.path.exists(os.path.join(archive_dir,
-                                           f"{run_name(_bracket_run(method, lr))}.json")):
+            if os.path.exists(archive_path(archive_dir, run_name(_bracket_run(method, lr)))):
                 found.append(lr)
     return found
 
