@@ -63,7 +63,7 @@ def test_each_archives_runs_are_counted_from_its_records(tmp_path):
     (unmeasured / "stopped.json").write_text(json.dumps(stopped))
     archives = [str(measured), str(unmeasured)]
     result = subprocess.run([sys.executable, "-c", COUNT_ARCHIVES, *archives], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     counted = json.loads(result.stdout)
     counts = counted["counts"]
