@@ -51,13 +51,16 @@ def test_the_bracket_rates_are_half_decades_over_a_factor_of_100():
 
 
 def _archive(tmp_path, losses_by_run: dict) -> str:
-    """An archive holding, per run id, a finished run with that held-out loss, no collapse and
-    L_freq 6 (None: a run stopped by a non-finite step)."""
+    """An archive holding, per run id, a finished run's record with that held-out loss, no
+    collapse and L_freq 6 (None: a run stopped by a non-finite step); the config, which the
+    plan does not read, is left empty."""
     for run_id, loss in losses_by_run.items():
         result = ({"status": "nonfinite", "final_eval_loss": None} if loss is None
                   else {"status": "done", "final_eval_loss": loss, "lfreq": 6.0,
                         "collapse": {"collapsed": False}})
-        (tmp_path / f"{run_id}.json").write_text(json.dumps({"result": result}))
+        entry = {"run_id": run_id, "config": {},
+                 "result": result | {"config_digest": f"digest of {run_id}"}}
+        (tmp_path / f"{run_id}.json").write_text(json.dumps(entry))
     return str(tmp_path)
 
 
