@@ -98,9 +98,7 @@ def read_corpus(out_dir: str) -> dict:
 def planned_rows(variant: str, archive: str, corpus: dict) -> list[dict]:
     """One row per run ``variant`` plans, from its archived record where there is one."""
     runs = protocol.planned_runs(variant, archive)
-    configs = [build_config(protocol.BASE_CONFIG, RunSpec(run.run_id,
-                                                          tuple(run.overrides.items())))
-               for run in runs]
+    configs = [run.config for run in runs]
     rows = []
     for run, config, record in zip(runs, configs, archived_runs(archive, configs), strict=True):
         result = record["result"] if record else {}

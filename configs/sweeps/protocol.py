@@ -48,10 +48,14 @@ import dataclasses
 import math
 import os
 
+import ml_collections
+
 from configs.sweeps import leaderboard
 from configs.sweeps.leaderboard import ALL_METHODS, METHOD_FIELDS
-from postnorm.sweep.archive import archive_path, read_entry
+from postnorm.sweep.archive import archive_path, check_id_free, read_entry
+from postnorm.sweep.plan import RunSpec, build_config
 from postnorm.sweep.protocol_table import half_decade, long_run_choice
+from postnorm.sweep.record import planned_digests
 
 BASE_CONFIG = "configs/default.py"
 
@@ -152,6 +156,10 @@ class PlannedRun:
         return run_name(self.overrides)
 
     @property
+    def config(self) -> ml_collections.ConfigDict:
+        return planned_config(self.overrides)
+
+    @property
     def lr(self) -> float:
         return self.overrides["opt.lr"]
 
@@ -171,10 +179,21 @@ def _bracket_run(method: str, lr: float, clip: float = CLIP) -> dict[str, object
     return {**fields, "opt.clip_norm": clip} if clip != CLIP else fields
 
 
+def planned_config(overrides: dict[str, object]) -> ml_collections.ConfigDict:
+    """The config the sweep runs for ``overrides``: ``BASE_CONFIG`` with them set."""
+    return build_config(BASE_CONFIG, RunSpec(run_name(overrides), tuple(overrides.items())))
+
+
 def _archived_result(archive_dir: str, overrides: dict[str, object]) -> dict | None:
-    """The ``result`` of the run of ``overrides`` recorded in ``archive_dir``, or None."""
-    path = archive_path(archive_dir, run_name(overrides))
-    return read_entry(path)["result"] if os.path.exists(path) else None
+    """The ``result`` of the run of ``overrides`` recorded in ``archive_dir``, or None. A record
+    under its id of another config (by digest, as the sweep and the report match records) is
+    refused (``ArchiveError`` naming the file), as the sweep refuses it."""
+    run_id = run_name(overrides)
+    path = archive_path(archive_dir, run_id)
+    if not os.path.exists(path):
+        return None
+    check_id_free(archive_dir, run_id, planned_digests(planned_config(overrides)))
+    return read_entry(path)["result"]
 
 
 def archived_losses(archive_dir: str, plan: list[dict[str, object]]) -> dict[str, float]:
@@ -211,7 +230,7 @@ def _archived_beyond(method: str, archive_dir: str, half_decades: int = 4) -> li
         lr = max(BRACKET_LRS) if up else min(BRACKET_LRS)
         for _ in range(half_decades):
             lr = half_decade(lr, up)
-            if os.path.exists(archive_path(archive_dir, run_name(_bracket_run(method, lr)))):
+            if _archived_result(archive_dir, _bracket_run(method, lr)) is not None:
                 found.append(lr)
     return found
 

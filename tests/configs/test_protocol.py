@@ -7,6 +7,8 @@ import math
 import pytest
 
 from configs.sweeps import leaderboard, protocol
+from postnorm.config import config_data, config_digest
+from postnorm.sweep.archive import ArchiveError
 from postnorm.sweep.plan import RunSpec, build_config
 from postnorm.train.validate import check_all_but_data
 
@@ -50,18 +52,25 @@ def test_the_bracket_rates_are_half_decades_over_a_factor_of_100():
     assert all(abs(s - 0.5) < 0.03 for s in steps) and len(rates) >= 5
 
 
-def _archive(tmp_path, losses_by_run: dict) -> str:
-    """An archive holding, per run id, a finished run's record with that held-out loss, no
-    collapse and L_freq 6 (None: a run stopped by a non-finite step); the config, which the
-    plan does not read, is left empty."""
-    for run_id, loss in losses_by_run.items():
+def _archive(tmp_path, losses: list[tuple[dict, float | None]]) -> str:
+    """An archive holding, per (overrides, loss), a finished record of that planned run (its
+    config's digest as the trainer writes it) with that held-out loss, no collapse and L_freq
+    6 (None: a run stopped by a non-finite step); the config, which the plan does not read,
+    is left empty."""
+    for overrides, loss in losses:
+        run_id = protocol.run_name(overrides)
         result = ({"status": "nonfinite", "final_eval_loss": None} if loss is None
                   else {"status": "done", "final_eval_loss": loss, "lfreq": 6.0,
                         "collapse": {"collapsed": False}})
-        entry = {"run_id": run_id, "config": {},
-                 "result": result | {"config_digest": f"digest of {run_id}"}}
+        digest = config_digest(config_data(_config(overrides)))
+        entry = {"run_id": run_id, "config": {}, "result": result | {"config_digest": digest}}
         (tmp_path / f"{run_id}.json").write_text(json.dumps(entry))
     return str(tmp_path)
+
+
+def _config(overrides: dict):
+    """The run's config, built as the sweep builds it (``plan.build_config``)."""
+    return build_config(protocol.BASE_CONFIG, RunSpec("", tuple(overrides.items())))
 
 
 def _bracket_id(method: str, lr: float) -> str:
@@ -72,15 +81,16 @@ def test_the_bracket_grows_past_an_edge_optimum_until_it_is_inside(tmp_path):
     """Losses falling with the rate put the optimum at the top edge: the next half-decade is
     planned, and once its loss is higher the best rate is the old edge, now interior."""
     rates = sorted(protocol.BRACKET_LRS)
-    archive = _archive(tmp_path, {_bracket_id("pre", lr): 6.0 - i for i, lr in enumerate(rates)})
+    archive = _archive(tmp_path, [(protocol._bracket_run("pre", lr), 6.0 - i)
+                                  for i, lr in enumerate(rates)])
     grown, best = protocol.bracket_rates("pre", archive)
     assert best is None and len(grown) == len(rates) + 1
     assert math.log10(grown[-1] / rates[-1]) == pytest.approx(0.5, abs=0.03)
-    _archive(tmp_path, {_bracket_id("pre", grown[-1]): 9.0})
+    _archive(tmp_path, [(protocol._bracket_run("pre", grown[-1]), 9.0)])
     assert protocol.bracket_rates("pre", archive) == (grown, rates[-1])
     # a method missing a rate has no rate yet; one failing at every rate tries lower
     assert protocol.bracket_rates("mixln", archive)[1] is None
-    _archive(tmp_path, {_bracket_id("sandwich", lr): None for lr in rates})
+    _archive(tmp_path, [(protocol._bracket_run("sandwich", lr), None) for lr in rates])
     lower, best = protocol.bracket_rates("sandwich", archive)
     assert best is None and lower[1:] == rates
     assert math.log10(rates[0] / lower[0]) == pytest.approx(0.5, abs=0.03)
@@ -100,9 +110,10 @@ def test_a_method_that_trains_at_no_rate_runs_at_its_largest_stable_one(tmp_path
     """Collapsed runs at the floor are never chosen, whatever their loss; a rate archived past
     the base grid (an earlier growth) stays in the grid and in the plan."""
     rates = sorted(protocol.BRACKET_LRS)
-    losses = {_bracket_id("deepnorm", lr): 5.9 - i / 100 for i, lr in enumerate(rates)}
+    losses = [(protocol._bracket_run("deepnorm", lr), 5.9 - i / 100)
+              for i, lr in enumerate(rates)]
     beyond = protocol.half_decade(rates[-1], up=True)
-    archive = _archive(tmp_path, losses | {_bracket_id("deepnorm", beyond): 5.8})
+    archive = _archive(tmp_path, [*losses, (protocol._bracket_run("deepnorm", beyond), 5.8)])
     for lr in rates[1:-1]:  # collapsed from the second rate to the top of the base grid
         path = tmp_path / f"{_bracket_id('deepnorm', lr)}.json"
         entry = json.loads(path.read_text())
@@ -117,10 +128,11 @@ def test_a_method_that_trains_at_no_rate_runs_at_its_largest_stable_one(tmp_path
 
 def test_survival_and_width_are_planned_from_the_archived_best_rates(tmp_path):
     rates = sorted(protocol.BRACKET_LRS)
-    losses = {}
+    losses = []
     for k, method in enumerate(protocol.SURVIVAL_METHODS):
         best = rates[1 + k % 3]  # interior, varying by method
-        losses |= {_bracket_id(method, lr): 5.0 + abs(math.log10(lr / best)) for lr in rates}
+        losses += [(protocol._bracket_run(method, lr), 5.0 + abs(math.log10(lr / best)))
+                   for lr in rates]
     archive = _archive(tmp_path, losses)
     survival = [run.overrides for run in protocol.planned_runs("survival", archive)]
     assert len(survival) == len(protocol.SURVIVAL_METHODS) * len(protocol.SEEDS)
@@ -133,7 +145,7 @@ def test_survival_and_width_are_planned_from_the_archived_best_rates(tmp_path):
     # every survival run archived: the two non-reference methods of lowest mean loss get width
     order = [m for m in protocol.SURVIVAL_METHODS if m not in ("post", "pre")]
     mean = {m: 4.0 + order.index(m) / 10 for m in order} | {"post": 3.0, "pre": 3.5}
-    _archive(tmp_path, {protocol.run_name(o): mean[protocol.method_of(o)] for o in survival})
+    _archive(tmp_path, [(o, mean[protocol.method_of(o)]) for o in survival])
     width = [run.overrides for run in protocol.planned_runs("width", archive)]
     assert {protocol.method_of(o) for o in width} == {"post", "pre", *order[:2]}
     assert len(width) == 4 * len(protocol.WIDTH_SEEDS)
@@ -144,3 +156,19 @@ def test_survival_and_width_are_planned_from_the_archived_best_rates(tmp_path):
         config = build_config(f"{protocol.BASE_CONFIG}:{spec}", RunSpec("", ()))
         check_all_but_data(config, device_count=1)
     assert config.model.d_model // config.model.n_heads == 32
+
+
+def test_a_record_of_another_config_under_a_planned_id_is_refused(tmp_path):
+    """Run ids name only what the plan varies: a record under a bracket run's id whose config
+    differs (here its seed) is not read as that run's, and the plan names the file."""
+    rates = sorted(protocol.BRACKET_LRS)
+    archive = _archive(tmp_path, [(protocol._bracket_run("pre", lr),
+                                   5.0 + abs(math.log10(lr / rates[2]))) for lr in rates])
+    assert protocol.bracket_rates("pre", archive) == (rates, rates[2])
+    other = {**protocol._bracket_run("pre", rates[2]), "seed": 7}
+    path = tmp_path / f"{_bracket_id('pre', rates[2])}.json"
+    entry = json.loads(path.read_text())
+    entry["result"]["config_digest"] = config_digest(config_data(_config(other)))
+    path.write_text(json.dumps(entry))
+    with pytest.raises(ArchiveError, match=path.name):
+        protocol.bracket_rates("pre", archive)
