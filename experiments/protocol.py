@@ -8,15 +8,17 @@ and each planned run's record (matched by config digest, ``postnorm.sweep.archiv
 archived yet is ``missing``), and writes to --out_dir (``postnorm.sweep.protocol_table``):
 
 * ``bracket.md``: per method the held-out loss at step 300 at each rate, clipped then
-  unclipped, its long-run rate (``protocol_table.long_run_choice``; the rate tried next while
-  at an open edge) and the largest rate at which it trains (no collapse, loss under 0.95 x
-  L_freq); ``bracket.png``: the rate-sensitivity
-  curves;
+  unclipped, then at step 1,000 for the survival methods that train at no rate in 300 steps
+  (the long bracket); its long-run rate (``protocol_table.long_run_choice``; the rate tried
+  next while at an open edge) and the largest rate at which it trains (no collapse, loss under
+  0.95 x L_freq); ``bracket.png``: the rate-sensitivity curves;
 * ``calibration.md``: Post-Norm against Pre-Norm at 12 layers per rate, seed-paired;
 * ``survival.md``: each method at 48 layers against the reference (the better of Pre-Norm and a
   stably trained Post-Norm), seed-paired, beside its verdict on the 300-step screen
   (``results/leaderboard/leaderboard.json``, 48 layers, lr 1e-3, warmup 20);
 * ``width.md``: the same at d = 128, with the step time over d = 64's;
+* ``unplanned.md``: the archived runs no variant plans now (a survival run whose method's
+  long-run rate was chosen again, or is not settled), kept in the archive and in no table;
 * ``curves.png``: the held-out loss curves of the long runs, mean over seeds;
 * ``protocol.json``: all of it, each gap with the run ids it pairs.
 
@@ -38,17 +40,20 @@ from configs.sweeps import protocol
 from postnorm.analysis.figures import save_figure
 from postnorm.errors import UserError, exit_on_error
 from postnorm.files import make_output_dir, write_json_atomic
-from postnorm.sweep.archive import archived_runs
+from postnorm.sweep.archive import archived_runs, read_entry
 from postnorm.sweep.plan import RunSpec, build_config
 from postnorm.sweep.protocol_table import (
     bracket_entries,
     bracket_markdown,
+    bracket_title,
+    brackets,
     calibration_entries,
     calibration_markdown,
     compared_entries,
     compared_markdown,
     epochs,
     step_time_ratios,
+    unplanned_markdown,
 )
 
 matplotlib.use("Agg")
@@ -148,10 +153,37 @@ def screen_verdicts(path: str = SCREEN) -> dict[str, str]:
     return out
 
 
+def unplanned_records(archive: str, rows: dict[str, list[dict]]) -> list[dict]:
+    """The records in ``archive`` of runs no variant plans now, by run id (the file's name)."""
+    planned = {r["run_id"] for variant_rows in rows.values() for r in variant_rows}
+    out = []
+    for name in sorted(os.listdir(archive)):
+        run_id, ext = os.path.splitext(name)
+        if ext != ".json" or run_id in planned:
+            continue
+        result = read_entry(os.path.join(archive, name))["result"]
+        done = result["status"] == "done"
+        out.append({"run_id": run_id, "status": result["status"],
+                    "loss": result.get("final_eval_loss") if done else None,
+                    "collapsed": bool(result["collapse"]["collapsed"]) if done else None})
+    return out
+
+
+def unsettled_note(survival_rows: list[dict]) -> str:
+    """The survival methods not planned yet, their long-run rate not settled; empty if none."""
+    planned = {r["method"] for r in survival_rows}
+    waiting = [m for m in protocol.SURVIVAL_METHODS if m not in planned]
+    return (f"\nNot planned yet (long-run rate not settled; see the bracket): "
+            f"{', '.join(waiting)}.\n" if waiting else "")
+
+
 def plot_bracket(entries: list[dict], lfreq: float, path: str) -> None:
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for ax, clipped in zip(axes, (True, False), strict=True):
-        for e in sorted((e for e in entries if e["clipped"] == clipped),
+    panels = brackets(entries)
+    screen_steps = min(steps for _, steps in panels)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), sharex=True,
+                             sharey=True, squeeze=False)
+    for ax, (clipped, steps) in zip(axes[0], panels, strict=True):
+        for e in sorted((e for e in entries if (e["clipped"], e["steps"]) == (clipped, steps)),
                         key=lambda e: ORDER.index(e["method"])):
             points = [(lr, loss, c) for lr, loss, c in
                       zip(e["rates"], e["loss"], e["collapsed"], strict=True) if loss is not None]
@@ -165,10 +197,10 @@ def plot_bracket(entries: list[dict], lfreq: float, path: str) -> None:
         ax.axhline(lfreq, color="k", ls="--", lw=1, label="L_freq")
         ax.set_xscale("log")
         ax.set_xlabel("peak learning rate")
-        ax.set_title("clipped (B2T at its own 0.1)" if clipped else "unclipped (stress test)")
-    axes[0].set_ylabel("held-out loss at step 300 (nats); red x: collapsed")
-    axes[0].legend(fontsize=7, ncol=2)
-    fig.suptitle("Learning-rate bracket, 48 layers, d = 64, 300 steps, seed 0")
+        ax.set_title(bracket_title(clipped, steps, screen_steps), fontsize=9)
+        ax.legend(fontsize=7, ncol=2)
+    axes[0][0].set_ylabel("held-out loss at the bracket's last step (nats); red x: collapsed")
+    fig.suptitle("Learning-rate bracket, 48 layers, d = 64, seed 0")
     save_figure(fig, path, dpi=110, bbox_inches="tight")
 
 
@@ -197,7 +229,7 @@ def plot_curves(groups: dict[str, list[dict]], lfreq: float, path: str) -> None:
 def report(archive: str, out_dir: str) -> dict:
     corpus = read_corpus(out_dir)
     rows = {v: planned_rows(v, archive, corpus) for v in protocol.VARIANTS}
-    bracket = bracket_entries(rows["bracket"] + rows["stress"])
+    bracket = bracket_entries(rows["bracket"] + rows["long_bracket"] + rows["stress"])
     calibration = calibration_entries(rows["calibration"])
     survival = compared_entries(rows["survival"], ORDER)
     width = compared_entries(rows["width"], ORDER)
@@ -206,11 +238,12 @@ def report(archive: str, out_dir: str) -> dict:
     tables = {
         "bracket": bracket_markdown(bracket, ORDER, corpus["lfreq"]),
         "calibration": calibration_markdown(calibration),
-        "survival": compared_markdown(survival, {"300-step screen (48 layers, lr 1e-3)": screen}),
+        "survival": compared_markdown(survival, {"300-step screen (48 layers, lr 1e-3)": screen})
+        + unsettled_note(rows["survival"]),
         "width": compared_markdown(width, {"step time / d = 64": costs}),
     }
     for name, table in tables.items():
-        runs = rows[name] + (rows["stress"] if name == "bracket" else [])
+        runs = rows[name] + (rows["long_bracket"] + rows["stress"] if name == "bracket" else [])
         text = f"{scope(runs)}\n\n{table}" if runs else f"{NOT_PLANNED[name]}\n"
         with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
             f.write(text)
@@ -218,9 +251,12 @@ def report(archive: str, out_dir: str) -> dict:
     plot_curves({"calibration (12 layers)": rows["calibration"],
                  "survival (48 layers)": rows["survival"], "width (d = 128)": rows["width"]},
                 corpus["lfreq"], os.path.join(out_dir, "curves.png"))
+    unplanned = unplanned_records(archive, rows)
+    with open(os.path.join(out_dir, "unplanned.md"), "w") as f:
+        f.write(unplanned_markdown(unplanned))
     result = {"corpus": corpus, "bracket": bracket, "calibration": calibration,
-              "survival": survival, "width": width, "scope": {v: scope(r) for v, r in
-                                                              rows.items() if r}}
+              "survival": survival, "width": width, "unplanned": unplanned,
+              "scope": {v: scope(r) for v, r in rows.items() if r}}
     write_json_atomic(os.path.join(out_dir, "protocol.json"), result)
     return result
 
@@ -234,7 +270,7 @@ def main(argv: list[str]) -> None:
         return
     result = report(FLAGS.archive, FLAGS.out_dir)
     for name, entries in result.items():
-        if name in ("bracket", "calibration", "survival", "width"):
+        if name in ("bracket", "calibration", "survival", "width", "unplanned"):
             print(f"{name}: {len(entries)} entries -> {FLAGS.out_dir}/{name}.md")
 
 

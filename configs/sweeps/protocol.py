@@ -23,9 +23,15 @@ loss among the rates below its first failing one (collapse or non-finite) that t
 (``postnorm.sweep.protocol_table.long_run_choice``); while that choice sits at an open edge of
 the grid, the next half-decade beyond it is planned (``bracket_rates``).
 
+Variant ``long_bracket``: a method of ``SURVIVAL_METHODS`` that trains at no rate in 300 steps
+(it stays at the floor, or collapses) has no optimum there to find, so it is bracketed again
+over ``LONG_BRACKET_STEPS`` steps at ``LONG_BRACKET_LRS``, clipped, seed 0, growing by the same
+rule; its long runs take that bracket's rate (``long_run_rate``).
+
 Variant ``survival``: 48 layers, ``LONG_STEPS`` steps, seeds 0-2, each of ``SURVIVAL_METHODS``
-at its long-run rate from the clipped bracket, planned once that rate is settled (Post-Norm with
-the bracket's long warmup): which 300-step verdicts survive ten times more training?
+at its long-run rate from the clipped bracket (or the long bracket), planned once that rate is
+settled (Post-Norm with the bracket's long warmup): which 300-step verdicts survive ten times
+more training?
 
 Variant ``width``: one width step, d = 128 (head dim 32) at 48 layers for ``WIDTH_STEPS`` steps,
 seeds 0-1: Post, Pre and the two methods of ``SURVIVAL_METHODS`` with the lowest mean held-out
@@ -34,9 +40,10 @@ survival run is archived.
 
 What is cut, and why (sized to about 1.5 days of the 2-core host at ~0.9 s per 48-layer step
 and ~0.3 s per 12-layer step): the bracket runs seed 0 only and 300 steps; the stress test
-(unclipped) only at the base rates; survival covers the published baselines and the methods
-that prevented the collapse, not the ones that collapsed on the screen; the width step is
-1,000 steps and two seeds.
+(unclipped) only at the base rates; the long bracket starts from three rates, not five, and
+runs only for the methods the 300-step bracket cannot rank; survival covers the published
+baselines and the methods that prevented the collapse, not the ones that collapsed on the
+screen; the width step is 1,000 steps and two seeds.
 
 Variant ``calibration``: Post-Norm against Pre-Norm at 12 layers, where neither collapses at 300
 steps, for ``LONG_STEPS`` steps (about 0.9 epochs of the embedded corpus's 6.8M training tokens
@@ -72,6 +79,9 @@ CALIBRATION_LRS = (1e-3, 3e-3, 1e-2)
 SCREEN_STEPS = 300
 BRACKET_LRS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
 LONG_WARMUP_FRACTION = 1 / 3
+LONG_BRACKET_STEPS = 1000
+LONG_BRACKET_LRS = (3e-4, 1e-3, 3e-3)
+BASE_RATES = {SCREEN_STEPS: BRACKET_LRS, LONG_BRACKET_STEPS: LONG_BRACKET_LRS}
 BRACKET_METHODS = ("pre", "post", "mixln", "sandwich", "periln", "post_budget_scale",
                    "post_budget_penalty", "adaptive", "b2t", "deepnorm", "admin")
 SURVIVAL_METHODS = ("post", "pre", "mixln", "sandwich", "periln", "adaptive", "deepnorm", "b2t",
@@ -172,9 +182,10 @@ class PlannedRun:
         return self.overrides["opt.clip_norm"] != 0
 
 
-def _bracket_run(method: str, lr: float, clip: float = CLIP) -> dict[str, object]:
+def _bracket_run(method: str, lr: float, clip: float = CLIP,
+                 steps: int = SCREEN_STEPS) -> dict[str, object]:
     warmup = LONG_WARMUP_FRACTION if method == "post" else WARMUP_FRACTION
-    fields = {**protocol(SCREEN_STEPS, warmup), **_method(method),
+    fields = {**protocol(steps, warmup), **_method(method),
               "model.n_layers": 48, "opt.lr": lr, "seed": 0}
     return {**fields, "opt.clip_norm": clip} if clip != CLIP else fields
 
@@ -208,12 +219,13 @@ def archived_losses(archive_dir: str, plan: list[dict[str, object]]) -> dict[str
     return losses
 
 
-def archived_bracket(method: str, rates: list[float], archive_dir: str) -> list[dict]:
-    """``method``'s clipped bracket runs at ``rates`` as ``long_run_choice`` reads them, from
-    their records in ``archive_dir`` (``missing`` where there is none)."""
+def archived_bracket(method: str, rates: list[float], archive_dir: str,
+                     steps: int = SCREEN_STEPS) -> list[dict]:
+    """``method``'s clipped bracket runs of ``steps`` steps at ``rates`` as ``long_run_choice``
+    reads them, from their records in ``archive_dir`` (``missing`` where there is none)."""
     rows = []
     for lr in rates:
-        result = _archived_result(archive_dir, _bracket_run(method, lr)) or {}
+        result = _archived_result(archive_dir, _bracket_run(method, lr, steps=steps)) or {}
         done = result.get("status") == "done"
         rows.append({"lr": lr, "status": result.get("status", "missing"),
                      "loss": result.get("final_eval_loss") if done else None,
@@ -222,34 +234,64 @@ def archived_bracket(method: str, rates: list[float], archive_dir: str) -> list[
     return rows
 
 
-def _archived_beyond(method: str, archive_dir: str, half_decades: int = 4) -> list[float]:
-    """The rates of the half-decade ladder past ``BRACKET_LRS`` (up to ``half_decades`` each
-    way) at which ``method``'s clipped bracket run is archived."""
+def _archived_beyond(method: str, archive_dir: str, steps: int,
+                     half_decades: int = 4) -> list[float]:
+    """The rates of the half-decade ladder past the base rates of the ``steps``-step bracket
+    (up to ``half_decades`` each way) at which ``method``'s clipped run is archived."""
     found = []
     for up in (True, False):
-        lr = max(BRACKET_LRS) if up else min(BRACKET_LRS)
+        lr = max(BASE_RATES[steps]) if up else min(BASE_RATES[steps])
         for _ in range(half_decades):
             lr = half_decade(lr, up)
-            if _archived_result(archive_dir, _bracket_run(method, lr)) is not None:
+            if _archived_result(archive_dir, _bracket_run(method, lr, steps=steps)) is not None:
                 found.append(lr)
     return found
 
 
-def bracket_rates(method: str, archive_dir: str) -> tuple[list[float], float | None]:
-    """The clipped bracket's rates for ``method`` (``BRACKET_LRS``, grown by a half-decade while
-    the long runs' rate sits at an open edge) and that rate (``long_run_choice``), None until
-    it is settled). Rates of an earlier growth already archived stay in the grid."""
-    rates = sorted({*BRACKET_LRS, *_archived_beyond(method, archive_dir)})
+def _bracket_choice(method: str, archive_dir: str,
+                    steps: int = SCREEN_STEPS) -> tuple[list[float], dict]:
+    """The ``steps``-step clipped bracket's rates for ``method`` (its base rates, grown by a
+    half-decade while the choice sits at an open edge; rates of an earlier growth already
+    archived stay) and its ``long_run_choice``."""
+    rates = sorted({*BASE_RATES[steps], *_archived_beyond(method, archive_dir, steps)})
     while True:
-        choice = long_run_choice(archived_bracket(method, rates, archive_dir))
+        choice = long_run_choice(archived_bracket(method, rates, archive_dir, steps))
         if choice["grow"] is None:
-            return rates, choice["best_lr"]
+            return rates, choice
         rates = sorted({*rates, choice["grow"]})
+
+
+def bracket_rates(method: str, archive_dir: str,
+                  steps: int = SCREEN_STEPS) -> tuple[list[float], float | None]:
+    """The ``steps``-step clipped bracket's rates for ``method`` and the rate it chooses
+    (``long_run_choice``; None until it is settled)."""
+    rates, choice = _bracket_choice(method, archive_dir, steps)
+    return rates, choice["best_lr"]
+
+
+def needs_long_bracket(method: str, archive_dir: str) -> bool:
+    """Whether ``method``'s settled 300-step bracket trains at no rate (its choice is the
+    largest stable rate), so that it cannot rank rates."""
+    return _bracket_choice(method, archive_dir)[1]["basis"] == "stable"
+
+
+def long_run_rate(method: str, archive_dir: str) -> float | None:
+    """The rate of ``method``'s long runs: its 300-step bracket's choice where some rate trains
+    there, else its long bracket's; None until the deciding bracket is settled."""
+    if needs_long_bracket(method, archive_dir):
+        return bracket_rates(method, archive_dir, LONG_BRACKET_STEPS)[1]
+    return bracket_rates(method, archive_dir)[1]
 
 
 def _bracket(archive_dir: str) -> list[PlannedRun]:
     return [PlannedRun("bracket", method, _bracket_run(method, lr))
             for method in BRACKET_METHODS for lr in bracket_rates(method, archive_dir)[0]]
+
+
+def _long_bracket(archive_dir: str) -> list[PlannedRun]:
+    return [PlannedRun("long_bracket", method, _bracket_run(method, lr, steps=LONG_BRACKET_STEPS))
+            for method in SURVIVAL_METHODS if needs_long_bracket(method, archive_dir)
+            for lr in bracket_rates(method, archive_dir, LONG_BRACKET_STEPS)[0]]
 
 
 def _stress() -> list[PlannedRun]:
@@ -265,7 +307,7 @@ def _long_run(method: str, lr: float, seed: int, steps: int = LONG_STEPS,
 
 
 def _survival(archive_dir: str) -> list[PlannedRun]:
-    best = {method: bracket_rates(method, archive_dir)[1] for method in SURVIVAL_METHODS}
+    best = {method: long_run_rate(method, archive_dir) for method in SURVIVAL_METHODS}
     return [PlannedRun("survival", method, _long_run(method, lr, seed))
             for seed in SEEDS for method, lr in best.items() if lr is not None]
 
@@ -291,7 +333,7 @@ def _width(archive_dir: str) -> list[PlannedRun]:
     width = {"model.d_model": WIDTH_D_MODEL, "model.d_ff": 3 * WIDTH_D_MODEL}
     return [PlannedRun("width", method, _long_run(method, lr, seed, WIDTH_STEPS, **width))
             for seed in WIDTH_SEEDS for method in ("post", "pre", *ranked[:2])
-            for lr in [bracket_rates(method, archive_dir)[1]]]
+            for lr in [long_run_rate(method, archive_dir)]]
 
 
 def _calibration() -> list[PlannedRun]:
@@ -301,13 +343,14 @@ def _calibration() -> list[PlannedRun]:
             for seed in SEEDS for lr in CALIBRATION_LRS for norm in ("post", "pre")]
 
 
-VARIANTS = ("calibration", "bracket", "stress", "survival", "width")
+VARIANTS = ("calibration", "bracket", "long_bracket", "stress", "survival", "width")
 
 
 def planned_runs(variant: str, archive_dir: str = ARCHIVE) -> list[PlannedRun]:
     """The runs ``variant`` plans now, given the runs recorded in ``archive_dir``."""
     plans = {"calibration": _calibration, "bracket": lambda: _bracket(archive_dir),
-             "stress": _stress, "survival": lambda: _survival(archive_dir),
+             "long_bracket": lambda: _long_bracket(archive_dir), "stress": _stress,
+             "survival": lambda: _survival(archive_dir),
              "width": lambda: _width(archive_dir)}
     if variant not in plans:
         raise ValueError(f"unknown sweep variant {variant!r}; known: {', '.join(VARIANTS)}")

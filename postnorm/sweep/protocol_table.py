@@ -87,18 +87,19 @@ def long_run_choice(runs: list[dict]) -> dict:
 
 
 def bracket_entries(rows: list[dict]) -> list[dict]:
-    """Per method and half (clipped, unclipped): the held-out loss at each rate, the long runs'
-    rate (``long_run_choice``; ``settled`` once nothing is left to grow) and the largest rate
-    at which the run ``trains``."""
+    """Per method and bracket (clipped or not, and its steps): the held-out loss at each rate,
+    the long runs' rate (``long_run_choice``; ``settled`` once nothing is left to grow) and the
+    largest rate at which the run ``trains``."""
     out = []
-    for (method, clipped), runs in _group(rows, "method", "clipped").items():
+    for (method, clipped, steps), runs in _group(rows, "method", "clipped", "steps").items():
         runs = sorted(runs, key=lambda r: r["lr"])
         done = all(r["status"] != "missing" for r in runs)
         choice = long_run_choice(runs)
         best = next((r for r in runs if r["lr"] == choice["best_lr"]), None)
         trained = [r["lr"] for r in runs if trains(r)]
         out.append({
-            "method": method, "clipped": clipped, "rates": [r["lr"] for r in runs],
+            "method": method, "clipped": clipped, "steps": steps,
+            "rates": [r["lr"] for r in runs],
             "runs": {f"{r['lr']:g}": r["run_id"] for r in runs},
             "loss": [r["loss"] for r in runs], "collapsed": [r["collapsed"] for r in runs],
             "status": [r["status"] for r in runs],
@@ -116,13 +117,30 @@ def _choice_text(entry: dict) -> str:
     return f"{entry['best_lr']:g}" + (" (stable)" if entry["basis"] == "stable" else "")
 
 
+def bracket_title(clipped: bool, steps: int, screen_steps: int) -> str:
+    """A bracket's name: clipped or unclipped, and its steps where they are not the screen's."""
+    if steps != screen_steps:
+        return (f"Clipped, {steps:,} steps (the methods that train at no rate in "
+                f"{screen_steps:,} steps)")
+    return "Clipped at the protocol's 1.0 (B2T at its own 0.1)" if clipped else \
+        "Unclipped (the stress test)"
+
+
+def brackets(entries: list[dict]) -> list[tuple[bool, int]]:
+    """The (clipped, steps) brackets of ``entries``: the screen's clipped then unclipped, then
+    the longer ones."""
+    return sorted({(e["clipped"], e["steps"]) for e in entries},
+                  key=lambda b: (b[1], not b[0]))
+
+
 def bracket_markdown(entries: list[dict], order: Sequence[str], lfreq: float) -> str:
-    """The bracket as two tables, clipped then unclipped: a column per rate tried (``C``: the
-    run collapsed; ``✗``: stopped by a non-finite step; ``–``: not run yet), the long runs'
-    rate (``long_run_choice``) and the largest rate that trains."""
+    """One table per bracket (``brackets``): a column per rate tried (``C``: the run collapsed;
+    ``✗``: stopped by a non-finite step; ``–``: not run yet), the long runs' rate
+    (``long_run_choice``) and the largest rate that trains."""
     parts = []
-    for clipped in (True, False):
-        half = sorted((e for e in entries if e["clipped"] == clipped),
+    screen_steps = min(e["steps"] for e in entries)
+    for clipped, steps in brackets(entries):
+        half = sorted((e for e in entries if (e["clipped"], e["steps"]) == (clipped, steps)),
                       key=lambda e: list(order).index(e["method"]))
         if not half:
             continue
@@ -136,13 +154,15 @@ def bracket_markdown(entries: list[dict], order: Sequence[str], lfreq: float) ->
                          _choice_text(e),
                          "–" if e["largest_trained_lr"] is None
                          else f"{e['largest_trained_lr']:g}"])
-        title = "Clipped at the protocol's 1.0 (B2T at its own 0.1)" if clipped else \
-            "Unclipped (the stress test)"
-        parts.append(f"**{title}.** Held-out loss (nats) at step 300 by peak learning rate "
+        title = bracket_title(clipped, steps, screen_steps)
+        again = (" (a survival method is then bracketed again over more steps, below)"
+                 if clipped and steps == screen_steps and len(brackets(entries)) > 2 else "")
+        parts.append(f"**{title}.** Held-out loss (nats) at step {steps:,} by peak learning rate "
                      f"(L_freq {lfreq:.3f}). Long-run rate: the lowest loss among the rates "
                      f"below the first that fails (collapse or non-finite) and that train; "
-                     f"(stable): none trains, the largest rate below the first that fails; "
-                     f"(next: r): the choice is at an open edge, r is tried next.\n\n"
+                     f"(stable): none trains, the largest rate below the first that "
+                     f"fails{again}; (next: r): the choice is at an open edge, r is tried "
+                     f"next.\n\n"
                      + "\n".join(markdown_table(
                          ["method", *(f"{lr:g}" for lr in rates), "long-run rate",
                           f"largest rate that trains (no collapse, < {AT_FLOOR:g} × L_freq)"],
@@ -264,6 +284,20 @@ def step_time_ratios(width_rows: list[dict], survival_rows: list[dict]) -> dict[
         if wide and narrow:
             out[method] = float(np.median(wide) / np.median(narrow))
     return out
+
+
+def unplanned_markdown(records: list[dict]) -> str:
+    """The archived runs outside the plan (``run_id``, ``loss``, ``collapsed``) as a table."""
+    if not records:
+        return "Every archived run is in the plan.\n"
+    body = [[f"`{r['run_id']}`", "✗" if r["loss"] is None else f"{r['loss']:.3f}",
+             "–" if r["collapsed"] is None else ("yes" if r["collapsed"] else "no")]
+            for r in records]
+    return ("Archived runs outside the current plan, in no table above: a survival run whose "
+            "method's long-run rate was chosen again after it ran, or is not settled yet. "
+            "They stay in the archive (and in the forecast's data); rerunning the plan does "
+            "not train them again.\n\n"
+            + "\n".join(markdown_table(["run", "held-out loss", "collapsed"], body)) + "\n")
 
 
 def epochs(steps: int, batch: int, seq_len: int, train_tokens: int) -> float:

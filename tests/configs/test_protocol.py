@@ -52,16 +52,17 @@ def test_the_bracket_rates_are_half_decades_over_a_factor_of_100():
     assert all(abs(s - 0.5) < 0.03 for s in steps) and len(rates) >= 5
 
 
-def _archive(tmp_path, losses: list[tuple[dict, float | None]]) -> str:
+def _archive(tmp_path, losses: list[tuple[dict, float | None]],
+             collapsed: bool = False) -> str:
     """An archive holding, per (overrides, loss), a finished record of that planned run (its
-    config's digest as the trainer writes it) with that held-out loss, no collapse and L_freq
-    6 (None: a run stopped by a non-finite step); the config, which the plan does not read,
-    is left empty."""
+    config's digest as the trainer writes it) with that held-out loss, ``collapsed`` or not
+    and L_freq 6 (None: a run stopped by a non-finite step); the config, which the plan does
+    not read, is left empty."""
     for overrides, loss in losses:
         run_id = protocol.run_name(overrides)
         result = ({"status": "nonfinite", "final_eval_loss": None} if loss is None
                   else {"status": "done", "final_eval_loss": loss, "lfreq": 6.0,
-                        "collapse": {"collapsed": False}})
+                        "collapse": {"collapsed": collapsed}})
         digest = config_digest(config_data(_config(overrides)))
         entry = {"run_id": run_id, "config": {}, "result": result | {"config_digest": digest}}
         (tmp_path / f"{run_id}.json").write_text(json.dumps(entry))
@@ -106,7 +107,7 @@ def test_the_bracket_grows_past_an_edge_optimum_until_it_is_inside(tmp_path):
     assert {run.method for run in stress} == set(protocol.BRACKET_METHODS)
 
 
-def test_a_method_that_trains_at_no_rate_runs_at_its_largest_stable_one(tmp_path):
+def test_a_method_that_trains_at_no_rate_chooses_its_largest_stable_one(tmp_path):
     """Collapsed runs at the floor are never chosen, whatever their loss; a rate archived past
     the base grid (an earlier growth) stays in the grid and in the plan."""
     rates = sorted(protocol.BRACKET_LRS)
@@ -120,8 +121,9 @@ def test_a_method_that_trains_at_no_rate_runs_at_its_largest_stable_one(tmp_path
         entry["result"]["collapse"]["collapsed"] = True
         path.write_text(json.dumps(entry))
     assert protocol.bracket_rates("deepnorm", archive) == ([*rates, beyond], rates[0])
-    survival = [r for r in protocol.planned_runs("survival", archive) if r.method == "deepnorm"]
-    assert {r.lr for r in survival} == {rates[0]} and len(survival) == len(protocol.SEEDS)
+    # the screen cannot rank its rates: the survival runs wait for the long bracket
+    assert protocol.needs_long_bracket("deepnorm", archive)
+    assert not [r for r in protocol.planned_runs("survival", archive) if r.method == "deepnorm"]
     assert _bracket_id("deepnorm", beyond) in {
         r.run_id for r in protocol.planned_runs("bracket", archive)}
 
@@ -172,3 +174,31 @@ def test_a_record_of_another_config_under_a_planned_id_is_refused(tmp_path):
     path.write_text(json.dumps(entry))
     with pytest.raises(ArchiveError, match=path.name):
         protocol.bracket_rates("pre", archive)
+
+
+def test_a_method_that_trains_at_no_rate_in_300_steps_is_bracketed_again_over_more(tmp_path):
+    """DeepNorm at the floor at its one stable rate and collapsed above it in 300 steps gets
+    the 1,000-step bracket, and its survival runs take that bracket's rate once it is settled;
+    Pre-Norm, which trains in 300 steps, gets none."""
+    rates = sorted(protocol.BRACKET_LRS)
+    archive = _archive(tmp_path, [(protocol._bracket_run("pre", lr),
+                                   5.0 + abs(math.log10(lr / rates[2]))) for lr in rates])
+    _archive(tmp_path, [(protocol._bracket_run("deepnorm", rates[0]), 5.9)])
+    _archive(tmp_path, [(protocol._bracket_run("deepnorm", lr), 5.8) for lr in rates[1:]],
+             collapsed=True)
+    assert protocol.bracket_rates("deepnorm", archive) == (rates, rates[0])
+    long_bracket = protocol.planned_runs("long_bracket", archive)
+    assert {run.method for run in long_bracket} == {"deepnorm"}
+    assert sorted(run.lr for run in long_bracket) == sorted(protocol.LONG_BRACKET_LRS)
+    assert all(run.config.train.steps == protocol.LONG_BRACKET_STEPS and run.clipped
+               and run.config.opt.warmup_steps == round(protocol.WARMUP_FRACTION * 1000)
+               for run in long_bracket)
+    survival = protocol.planned_runs("survival", archive)
+    assert {run.method for run in survival} == {"pre"}  # deepnorm waits for its long bracket
+    long_rates = sorted(protocol.LONG_BRACKET_LRS)
+    _archive(tmp_path, [(run.overrides, 4.0 + abs(math.log10(run.lr / long_rates[1])))
+                        for run in long_bracket])
+    assert protocol.long_run_rate("deepnorm", archive) == long_rates[1]
+    assert {run.lr for run in protocol.planned_runs("survival", archive)
+            if run.method == "deepnorm"} == {long_rates[1]}
+    assert protocol.long_run_rate("pre", archive) == rates[2]

@@ -11,12 +11,13 @@ import sys
 import numpy as np
 import pytest
 
+from configs.sweeps import protocol
 from tests.committed import REL_TOL, assert_json_matches, assert_text_matches
 from tests.paired_reference import scipy_gap
 from tests.reliability_helpers import REPO, subprocess_env
 
 PROTOCOL = REPO / "results" / "protocol"
-TABLES = ("bracket", "calibration", "survival", "width")
+TABLES = ("bracket", "calibration", "survival", "width", "unplanned")
 
 
 def _report() -> dict:
@@ -43,21 +44,37 @@ def test_the_report_only_command_regenerates_every_table_from_the_archive(tmp_pa
         assert_text_matches((tmp_path / f"{name}.md").read_text(),
                             (PROTOCOL / f"{name}.md").read_text())
     assert_json_matches(json.loads((tmp_path / "protocol.json").read_text()), _report())
-    # every archived record is a run of the plan, and reported
-    reported = {run_id for e in _report()["bracket"] for run_id in e["runs"].values()}
-    for variant in ("calibration",):
-        reported |= {i for e in _report()[variant] for runs in e["runs"].values()
-                     for i in runs.values()}
+
+
+def test_every_archived_run_is_reported_or_listed_outside_the_plan():
+    """The plan's archived runs are in the tables; the others are listed as outside it, and
+    each is a survival run whose method's long-run rate is not its rate (re-chosen, or not
+    settled)."""
+    report = _report()
+    archived = {p.stem for p in (PROTOCOL / "runs").glob("*.json")}
+    planned = {run.run_id for variant in protocol.VARIANTS
+               for run in protocol.planned_runs(variant, str(PROTOCOL / "runs"))}
+    reported = {run_id for e in report["bracket"] for run_id in e["runs"].values()}
+    reported |= {i for e in report["calibration"] for runs in e["runs"].values()
+                 for i in runs.values()}
     for variant in ("survival", "width"):
-        reported |= {i for e in _report()[variant] for i in e["runs"].values()}
-    assert {p.stem for p in (PROTOCOL / "runs").glob("*.json")} <= reported
+        reported |= {i for e in report[variant] for i in e["runs"].values()}
+    assert archived & planned <= reported
+    assert sorted(r["run_id"] for r in report["unplanned"]) == sorted(archived - planned)
+    survival_lr = {e["method"]: e["lr"] for e in report["survival"]}
+    for run_id in archived - planned:
+        config = json.loads((PROTOCOL / "runs" / f"{run_id}.json").read_text())["config"]
+        method = protocol.method_label(config)
+        assert method in protocol.SURVIVAL_METHODS, run_id
+        assert config["train"]["steps"] == protocol.LONG_STEPS, run_id
+        assert survival_lr.get(method) != config["opt"]["lr"], run_id
 
 
 def test_the_docs_include_the_generated_tables():
-    """PROTOCOL.md includes the calibration and width tables verbatim, LEADERBOARD.md opens
-    with the survival table."""
+    """PROTOCOL.md includes the calibration and width tables and the runs outside the plan
+    verbatim, LEADERBOARD.md opens with the survival table."""
     protocol_doc = (REPO / "docs" / "PROTOCOL.md").read_text()
-    for name in ("calibration", "width"):
+    for name in ("calibration", "width", "unplanned"):
         assert (PROTOCOL / f"{name}.md").read_text().strip() in protocol_doc, name
     leaderboard = (REPO / "docs" / "LEADERBOARD.md").read_text()
     survival = (PROTOCOL / "survival.md").read_text().strip()
@@ -102,6 +119,19 @@ def test_each_long_run_rate_is_recomputed_from_the_records():
         # settled: not at an open edge of the grid
         assert expected != runs[0][0] or not training
         assert expected != runs[-1][0]
+
+
+def test_each_survival_rate_is_its_brackets_choice():
+    """The 300-step clipped bracket's rate where some rate trains there, else the rate of the
+    longer clipped bracket the method then gets."""
+    report = _report()
+    clipped = {(e["method"], e["steps"]): e for e in report["bracket"] if e["clipped"]}
+    for entry in report["survival"]:
+        screen = clipped[(entry["method"], protocol.SCREEN_STEPS)]
+        deciding = screen if screen["basis"] == "trains" else \
+            clipped[(entry["method"], protocol.LONG_BRACKET_STEPS)]
+        assert deciding["best_lr"] is not None
+        assert entry["lr"] == deciding["best_lr"]
 
 
 def _check_gap(gap: dict, method_runs: dict[str, str], reference_runs: dict[str, str]) -> None:

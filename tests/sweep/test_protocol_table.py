@@ -19,8 +19,9 @@ from tests.paired_reference import scipy_gap
 
 
 def row(method, seed=0, loss=None, *, lr=1e-3, clipped=True, status="done", collapsed=False,
-        wall_s=100.0, train_steps=100):
-    return {"method": method, "seed": seed, "lr": lr, "clipped": clipped, "status": status,
+        wall_s=100.0, train_steps=100, steps=300):
+    return {"method": method, "seed": seed, "lr": lr, "clipped": clipped, "steps": steps,
+            "status": status,
             "loss": loss if status == "done" else None,
             "collapsed": collapsed if status == "done" else None,
             "run_id": f"{method}_{lr:g}_{clipped}_{seed}", "wall_s": wall_s,
@@ -47,15 +48,18 @@ def test_the_bracket_chooses_the_long_run_rate_and_grows_past_an_open_edge():
                for lr, loss in zip(rates, [6.4, 5.75, 5.76, 5.9, 5.74], strict=True)]
             + [row("admin", lr=lr, loss=5.8, collapsed=True) for lr in rates]
             + [row("b2t", lr=lr, loss=6.1) for lr in rates]
-            + [row("pre", lr=lr, loss=4.0 + lr, clipped=False) for lr in rates])
-    entries = {(e["method"], e["clipped"]): e for e in bracket_entries(rows)}
+            + [row("pre", lr=lr, loss=4.0 + lr, clipped=False) for lr in rates]
+            # the long bracket: deepnorm again over 1,000 steps, where it trains
+            + [row("deepnorm", lr=lr, loss=loss, steps=1000, collapsed=lr >= 3e-3)
+               for lr, loss in zip(rates[:3], [4.3, 3.9, 5.8], strict=True)])
+    entries = {(e["method"], e["clipped"], e["steps"]): e for e in bracket_entries(rows)}
 
-    def chosen(method, clipped=True):
-        e = entries[(method, clipped)]
+    def chosen(method, clipped=True, steps=300):
+        e = entries[(method, clipped, steps)]
         return e["best_lr"], e["basis"], e["grow"], e["largest_trained_lr"]
 
     assert chosen("pre") == (3e-3, "trains", None, 1e-2)  # 6.0 at 3e-2 is at the floor
-    assert entries[("pre", True)]["best_loss"] == 4.2
+    assert entries[("pre", True, 300)]["best_loss"] == 4.2
     assert chosen("post") == (1e-3, "trains", None, 1e-3)
     assert chosen("mixln") == (1e-2, "trains", None, 1e-2)  # bounded by the divergence above
     assert chosen("sandwich") == (None, None, None, None)
@@ -63,9 +67,13 @@ def test_the_bracket_chooses_the_long_run_rate_and_grows_past_an_open_edge():
     assert chosen("admin") == (None, None, 9e-5, None)  # every rate fails: try lower
     assert chosen("b2t") == (None, None, 0.09, None)  # none fails, none trains: try higher
     assert chosen("pre", clipped=False) == (None, None, 9e-5, 3e-2)  # optimum at the bottom
+    assert chosen("deepnorm", steps=1000) == (1e-3, "trains", None, 1e-3)
     order = ["pre", "post", "mixln", "sandwich", "deepnorm", "admin", "b2t"]
     text = bracket_markdown(list(entries.values()), order, 6.0)
     clipped_half, unclipped_half = text.split("**Unclipped")
+    unclipped_half, long_bracket = unclipped_half.split("**Clipped, 1,000 steps")
+    assert "at step 1,000" in long_bracket and "at step 300" in unclipped_half
+    assert "| deepnorm | 4.300 | 3.900 | 5.800 C | 0.001 | 0.001 |" in long_bracket
     assert "| post | 5.900 | 5.000 | 5.870 C | 5.900 C | 5.900 C | 0.001 | 0.001 |" in clipped_half
     assert "| mixln | 5.700 | 4.600 | 4.300 | 4.100 | ✗ | 0.01 | 0.01 |" in clipped_half
     assert "| sandwich | 4.000 | 4.000 | 4.000 | 4.000 | – | – | – |" in clipped_half
