@@ -25,8 +25,11 @@ the grid, the next half-decade beyond it is planned (``bracket_rates``).
 
 Variant ``long_bracket``: a method of ``SURVIVAL_METHODS`` that trains at no rate in 300 steps
 (it stays at the floor, or collapses) has no optimum there to find, so it is bracketed again
-over ``LONG_BRACKET_STEPS`` steps at ``LONG_BRACKET_LRS``, clipped, seed 0, growing by the same
-rule; its long runs take that bracket's rate (``long_run_rate``).
+at the survival horizon (``LONG_BRACKET_STEPS`` = ``LONG_STEPS``) at ``LONG_BRACKET_LRS``,
+clipped, seed 0, growing by the same rule; its long runs take that bracket's rate
+(``long_run_rate``), and the bracket's run at that rate is its seed-0 survival run. A shorter
+bracket does not stand in for it: B2T stayed at the floor for 1,000 steps at lr 1e-3, yet its
+3,000-step run at that rate trained far below the floor (those records stay in the archive).
 
 Variant ``survival``: 48 layers, ``LONG_STEPS`` steps, seeds 0-2, each of ``SURVIVAL_METHODS``
 at its long-run rate from the clipped bracket (or the long bracket), planned once that rate is
@@ -41,7 +44,8 @@ survival run is archived.
 What is cut, and why (sized to about 1.5 days of the 2-core host at ~0.9 s per 48-layer step
 and ~0.3 s per 12-layer step): the bracket runs seed 0 only and 300 steps; the stress test
 (unclipped) only at the base rates; the long bracket starts from three rates, not five, and
-runs only for the methods the 300-step bracket cannot rank; survival covers the published
+runs only for the methods the 300-step bracket cannot rank (about 70 min of the host per
+method at three rates, one of them its seed-0 survival run); survival covers the published
 baselines and the methods that prevented the collapse, not the ones that collapsed on the
 screen; the width step is 1,000 steps and two seeds.
 
@@ -79,7 +83,7 @@ CALIBRATION_LRS = (1e-3, 3e-3, 1e-2)
 SCREEN_STEPS = 300
 BRACKET_LRS = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
 LONG_WARMUP_FRACTION = 1 / 3
-LONG_BRACKET_STEPS = 1000
+LONG_BRACKET_STEPS = LONG_STEPS  # the horizon whose rate it chooses
 LONG_BRACKET_LRS = (3e-4, 1e-3, 3e-3)
 BASE_RATES = {SCREEN_STEPS: BRACKET_LRS, LONG_BRACKET_STEPS: LONG_BRACKET_LRS}
 BRACKET_METHODS = ("pre", "post", "mixln", "sandwich", "periln", "post_budget_scale",
@@ -278,9 +282,10 @@ def needs_long_bracket(method: str, archive_dir: str) -> bool:
 def long_run_rate(method: str, archive_dir: str) -> float | None:
     """The rate of ``method``'s long runs: its 300-step bracket's choice where some rate trains
     there, else its long bracket's; None until the deciding bracket is settled."""
-    if needs_long_bracket(method, archive_dir):
+    screen = _bracket_choice(method, archive_dir)[1]
+    if screen["basis"] == "stable":
         return bracket_rates(method, archive_dir, LONG_BRACKET_STEPS)[1]
-    return bracket_rates(method, archive_dir)[1]
+    return screen["best_lr"]
 
 
 def _bracket(archive_dir: str) -> list[PlannedRun]:

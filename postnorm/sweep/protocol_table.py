@@ -293,10 +293,10 @@ def unplanned_markdown(records: list[dict]) -> str:
     body = [[f"`{r['run_id']}`", "✗" if r["loss"] is None else f"{r['loss']:.3f}",
              "–" if r["collapsed"] is None else ("yes" if r["collapsed"] else "no")]
             for r in records]
-    return ("Archived runs outside the current plan, in no table above: a survival run whose "
-            "method's long-run rate was chosen again after it ran, or is not settled yet. "
-            "They stay in the archive (and in the forecast's data); rerunning the plan does "
-            "not train them again.\n\n"
+    return ("Archived runs outside the current plan, in no table above: runs of an earlier "
+            "plan (a bracket of another horizon; a survival run whose method's long-run rate "
+            "was chosen again after it ran, or is not settled yet). They stay in the archive "
+            "(and in the forecast's data); rerunning the plan does not train them again.\n\n"
             + "\n".join(markdown_table(["run", "held-out loss", "collapsed"], body)) + "\n")
 
 

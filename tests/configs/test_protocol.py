@@ -178,8 +178,9 @@ def test_a_record_of_another_config_under_a_planned_id_is_refused(tmp_path):
 
 def test_a_method_that_trains_at_no_rate_in_300_steps_is_bracketed_again_over_more(tmp_path):
     """DeepNorm at the floor at its one stable rate and collapsed above it in 300 steps gets
-    the 1,000-step bracket, and its survival runs take that bracket's rate once it is settled;
-    Pre-Norm, which trains in 300 steps, gets none."""
+    a bracket at the survival horizon, and its survival runs take that bracket's rate once it is
+    settled, the bracket's run at that rate being the seed-0 one; Pre-Norm, which trains in 300
+    steps, gets none."""
     rates = sorted(protocol.BRACKET_LRS)
     archive = _archive(tmp_path, [(protocol._bracket_run("pre", lr),
                                    5.0 + abs(math.log10(lr / rates[2]))) for lr in rates])
@@ -190,8 +191,9 @@ def test_a_method_that_trains_at_no_rate_in_300_steps_is_bracketed_again_over_mo
     long_bracket = protocol.planned_runs("long_bracket", archive)
     assert {run.method for run in long_bracket} == {"deepnorm"}
     assert sorted(run.lr for run in long_bracket) == sorted(protocol.LONG_BRACKET_LRS)
-    assert all(run.config.train.steps == protocol.LONG_BRACKET_STEPS and run.clipped
-               and run.config.opt.warmup_steps == round(protocol.WARMUP_FRACTION * 1000)
+    assert all(run.config.train.steps == protocol.LONG_STEPS and run.clipped
+               and run.config.opt.warmup_steps == round(protocol.WARMUP_FRACTION
+                                                        * protocol.LONG_STEPS)
                for run in long_bracket)
     survival = protocol.planned_runs("survival", archive)
     assert {run.method for run in survival} == {"pre"}  # deepnorm waits for its long bracket
@@ -199,6 +201,11 @@ def test_a_method_that_trains_at_no_rate_in_300_steps_is_bracketed_again_over_mo
     _archive(tmp_path, [(run.overrides, 4.0 + abs(math.log10(run.lr / long_rates[1])))
                         for run in long_bracket])
     assert protocol.long_run_rate("deepnorm", archive) == long_rates[1]
-    assert {run.lr for run in protocol.planned_runs("survival", archive)
-            if run.method == "deepnorm"} == {long_rates[1]}
+    deepnorm = [run for run in protocol.planned_runs("survival", archive)
+                if run.method == "deepnorm"]
+    assert {run.lr for run in deepnorm} == {long_rates[1]}
+    seed0 = next(run for run in deepnorm if run.seed == 0)
+    chosen = next(run for run in long_bracket if run.lr == long_rates[1])
+    assert (seed0.run_id, seed0.config) == (chosen.run_id, chosen.config)
+    assert protocol.archived_losses(archive, [seed0.overrides]) == {seed0.run_id: 4.0}
     assert protocol.long_run_rate("pre", archive) == rates[2]
