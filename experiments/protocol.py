@@ -40,7 +40,7 @@ from configs.sweeps import protocol
 from postnorm.analysis.figures import save_figure
 from postnorm.errors import UserError, exit_on_error
 from postnorm.files import make_output_dir, write_json_atomic
-from postnorm.sweep.archive import archived_runs, read_entry
+from postnorm.sweep.archive import archived_runs, read_archive
 from postnorm.sweep.plan import RunSpec, build_config
 from postnorm.sweep.protocol_table import (
     bracket_entries,
@@ -54,6 +54,7 @@ from postnorm.sweep.protocol_table import (
     epochs,
     step_time_ratios,
     unplanned_markdown,
+    unsettled_markdown,
 )
 
 matplotlib.use("Agg")
@@ -157,24 +158,21 @@ def unplanned_records(archive: str, rows: dict[str, list[dict]]) -> list[dict]:
     """The records in ``archive`` of runs no variant plans now, by run id (the file's name)."""
     planned = {r["run_id"] for variant_rows in rows.values() for r in variant_rows}
     out = []
-    for name in sorted(os.listdir(archive)):
-        run_id, ext = os.path.splitext(name)
-        if ext != ".json" or run_id in planned:
+    for entry in read_archive(archive):
+        result = entry["result"]
+        if entry["run_id"] in planned:
             continue
-        result = read_entry(os.path.join(archive, name))["result"]
         done = result["status"] == "done"
-        out.append({"run_id": run_id, "status": result["status"],
+        out.append({"run_id": entry["run_id"], "status": result["status"],
                     "loss": result.get("final_eval_loss") if done else None,
                     "collapsed": bool(result["collapse"]["collapsed"]) if done else None})
     return out
 
 
-def unsettled_note(survival_rows: list[dict]) -> str:
-    """The survival methods not planned yet, their long-run rate not settled; empty if none."""
+def unsettled_methods(survival_rows: list[dict]) -> list[str]:
+    """The survival methods with no survival run planned: their long-run rate is not settled."""
     planned = {r["method"] for r in survival_rows}
-    waiting = [m for m in protocol.SURVIVAL_METHODS if m not in planned]
-    return (f"\nNot planned yet (long-run rate not settled; see the bracket): "
-            f"{', '.join(waiting)}.\n" if waiting else "")
+    return [m for m in protocol.SURVIVAL_METHODS if m not in planned]
 
 
 def plot_bracket(entries: list[dict], lfreq: float, path: str) -> None:
@@ -239,7 +237,7 @@ def report(archive: str, out_dir: str) -> dict:
         "bracket": bracket_markdown(bracket, ORDER, corpus["lfreq"]),
         "calibration": calibration_markdown(calibration),
         "survival": compared_markdown(survival, {"300-step screen (48 layers, lr 1e-3)": screen})
-        + unsettled_note(rows["survival"]),
+        + unsettled_markdown(unsettled_methods(rows["survival"])),
         "width": compared_markdown(width, {"step time / d = 64": costs}),
     }
     for name, table in tables.items():

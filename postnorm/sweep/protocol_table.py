@@ -286,6 +286,13 @@ def step_time_ratios(width_rows: list[dict], survival_rows: list[dict]) -> dict[
     return out
 
 
+def unsettled_markdown(methods: list[str]) -> str:
+    """The note under the survival table naming ``methods``, whose runs wait for their
+    long-run rate; empty if none."""
+    return (f"\nNot planned yet (long-run rate not settled; see the bracket): "
+            f"{', '.join(methods)}.\n" if methods else "")
+
+
 def unplanned_markdown(records: list[dict]) -> str:
     """The archived runs outside the plan (``run_id``, ``loss``, ``collapsed``) as a table."""
     if not records:

@@ -140,6 +140,19 @@ def test_each_survival_rate_is_its_brackets_choice():
         assert entry["lr"] == deciding["best_lr"]
 
 
+def test_the_survival_table_names_the_methods_whose_rate_is_not_settled():
+    """The survival methods with no long-run rate yet, and only they, are named as waiting."""
+    waiting = [m for m in protocol.SURVIVAL_METHODS
+               if protocol.long_run_rate(m, str(PROTOCOL / "runs")) is None]
+    text = (PROTOCOL / "survival.md").read_text()
+    note = [line for line in text.splitlines() if line.startswith("Not planned yet")]
+    if not waiting:
+        assert not note
+        return
+    assert note == [f"Not planned yet (long-run rate not settled; see the bracket): "
+                    f"{', '.join(waiting)}."]
+
+
 def _check_gap(gap: dict, method_runs: dict[str, str], reference_runs: dict[str, str]) -> None:
     method = {int(s): _loss(i) for s, i in method_runs.items()}
     reference = {int(s): _loss(i) for s, i in reference_runs.items()}
