@@ -120,8 +120,8 @@ def _choice_text(entry: dict) -> str:
 def bracket_title(clipped: bool, steps: int, screen_steps: int) -> str:
     """A bracket's name: clipped or unclipped, and its steps where they are not the screen's."""
     if steps != screen_steps:
-        return (f"Clipped, {steps:,} steps (the methods that train at no rate in "
-                f"{screen_steps:,} steps)")
+        return (f"{'Clipped' if clipped else 'Unclipped'}, {steps:,} steps (the methods that "
+                f"train at no rate in {screen_steps:,} steps)")
     return "Clipped at the protocol's 1.0 (B2T at its own 0.1)" if clipped else \
         "Unclipped (the stress test)"
 

@@ -8,6 +8,7 @@ import pytest
 from postnorm.sweep.protocol_table import (
     bracket_entries,
     bracket_markdown,
+    bracket_title,
     calibration_entries,
     compared_entries,
     compared_markdown,
@@ -81,6 +82,9 @@ def test_the_bracket_chooses_the_long_run_rate_and_grows_past_an_open_edge():
         in clipped_half
     assert "| pre | 4.000 | 4.001 | 4.003 | 4.010 | 4.030 | – (next: 9e-05) | 0.03 |" in \
         unclipped_half
+    assert bracket_title(False, 1000, 300).startswith("Unclipped, 1,000 steps")
+    assert bracket_title(False, 300, 300).startswith("Unclipped")
+    assert bracket_title(True, 300, 300).startswith("Clipped")
 
 
 def test_the_reference_is_the_better_of_pre_and_a_stably_trained_post():
