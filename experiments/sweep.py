@@ -12,6 +12,9 @@ resume from their latest checkpoint, a run stopped by a non-finite step is recor
 ``nonfinite`` (a diverged cell of the map). Run ids name the fields the sweep varies, so
 dropping a value or varying one more field renames runs; a run uses the directory in DIR
 that holds a run of its config (its own id's first), so renamed runs are not trained again.
+With ``--archive``, once the plan's runs end the sweep file is read again and the runs it
+adds are trained too, until it adds none: a plan read from the archive grows as its runs are
+recorded (``configs/sweeps/protocol.py``'s brackets add the next rate past an open edge).
 ``--shard i/n`` runs every n-th run of the plan starting at i, so n hosts sharing DIR split
 the sweep; ``--workers N`` trains a shard's runs in N processes pinned to disjoint CPU sets of
 the host (``postnorm.sweep.workers``). As each run ends the log gives the shard's progress:
@@ -65,7 +68,7 @@ from postnorm.sweep.plan import (
     plan_file,
     shard,
 )
-from postnorm.sweep.runner import planned_configs, run_sweep, run_workdirs
+from postnorm.sweep.runner import planned_configs, run_until_settled, run_workdirs
 from postnorm.sweep.summary import MAP_AXES, write_pivot, write_summary
 from postnorm.sweep.workers import check_workers
 
@@ -109,6 +112,29 @@ def process_allocator(base_config: str, specs: list[RunSpec], extra: dict[str, s
     return build_config(base_config, specs[0], extra).runtime.allocator
 
 
+def read_plan(extra: dict[str, str]) -> tuple[str, list[RunSpec], list, list[dict | None]]:
+    """The sweep file's plan now: (BASE_CONFIG, specs, configs, per run the record of its
+    config in a ``--skip_archived`` archive or None), every config built and checked."""
+    base_config, specs = plan_file(FLAGS.sweep)
+    check_overrides(specs, extra)
+    configs = planned_configs(base_config, specs, extra)
+    return base_config, specs, configs, first_records(FLAGS.skip_archived, configs,
+                                                      "--skip_archived")
+
+
+def shard_plan(extra: dict[str, str], index: int, count: int) -> tuple[list, list, list]:
+    """The specs, configs and workdirs of the runs the plan now gives shard ``index`` of
+    ``count``, less those another sweep's archive records (``--skip_archived``)."""
+    _, specs, configs, elsewhere = read_plan(extra)
+    workdirs = run_workdirs(FLAGS.out_dir, specs, configs)
+    mine = shard(list(range(len(specs))), index, count)
+    if skipped := [specs[i].run_id for i in mine if elsewhere[i] is not None]:
+        logging.info("--skip_archived records %d runs, not trained here: %s", len(skipped),
+                     ", ".join(skipped))
+    mine = [i for i in mine if elsewhere[i] is None]
+    return ([specs[i] for i in mine], [configs[i] for i in mine], [workdirs[i] for i in mine])
+
+
 def pivot_from_summary(out_dir: str) -> None:
     """``out_dir/pivot.md`` from ``out_dir/summary.json``: one run per map cell required."""
     path = os.path.join(out_dir, "summary.json")
@@ -138,27 +164,20 @@ def main(argv: list[str]) -> None:
         raise app.UsageError("--fresh_batches measures runs into their --archive records: give "
                              "--archive too")
     check_workers(FLAGS.workers)
-    base_config, specs = plan_file(FLAGS.sweep)
     index, count = parse_shard(FLAGS.shard)
     extra = dict(item.split("=", 1) for item in FLAGS.override)
-    check_overrides(specs, extra)
-    configs = planned_configs(base_config, specs, extra)
-    elsewhere = first_records(FLAGS.skip_archived, configs, "--skip_archived")
+    base_config, specs, configs, elsewhere = read_plan(extra)
     use_allocator(process_allocator(base_config, specs, extra))  # may re-execute this command
     make_output_dir(FLAGS.out_dir, "--out_dir")
-    workdirs = run_workdirs(FLAGS.out_dir, specs, configs)
     archive = make_output_dir(FLAGS.archive, "--archive") if FLAGS.archive else None
     measure = (functools.partial(run_measures, fresh_batches=FLAGS.fresh_batches)
                if FLAGS.fresh_batches else None)
-    here = [i for i in range(len(specs)) if elsewhere[i] is None]
     if not FLAGS.report_only:
-        mine = shard(list(range(len(specs))), index, count)
-        if skipped := [specs[i].run_id for i in mine if elsewhere[i] is not None]:
-            logging.info("--skip_archived records %d runs, not trained here: %s", len(skipped),
-                         ", ".join(skipped))
-        mine = [i for i in mine if elsewhere[i] is None]
-        run_sweep([specs[i] for i in mine], [configs[i] for i in mine],
-                  [workdirs[i] for i in mine], FLAGS.workers, archive=archive, measure=measure)
+        run_until_settled(functools.partial(shard_plan, extra, index, count), FLAGS.workers,
+                          archive=archive, measure=measure)
+        base_config, specs, configs, elsewhere = read_plan(extra)  # the plan as it settled
+    workdirs = run_workdirs(FLAGS.out_dir, specs, configs)
+    here = [i for i in range(len(specs)) if elsewhere[i] is None]
     if archive:
         archive_finished(archive, [specs[i].run_id for i in here], [configs[i] for i in here],
                          [workdirs[i] for i in here], measure,

@@ -4,6 +4,7 @@ the runs trained in order or in pinned worker processes."""
 
 import functools
 import os
+from collections.abc import Callable
 
 import jax
 import ml_collections
@@ -117,6 +118,31 @@ def run_workdirs(out_dir: str, specs: list[RunSpec],
                              f"which holds a run of {other}'s config: move it aside")
         workdirs.append(path)
     return workdirs
+
+
+Plan = Callable[[], tuple[list[RunSpec], list[ml_collections.ConfigDict], list[str]]]
+
+
+def run_until_settled(plan: Plan, workers: int = 1, archive: str | None = None,
+                      measure: Measure | None = None) -> None:
+    """Train the runs of ``plan()`` (specs, configs, workdirs) with ``run_sweep``; with
+    ``archive``, then call ``plan()`` again and train the runs it adds, until it adds none. A
+    plan read from the archive grows as its runs are recorded (the protocol's learning-rate
+    brackets add the next rate while their choice sits at an open edge). Only a run not planned
+    before is a reason to go on."""
+    specs, configs, workdirs = plan()
+    planned: set[str] = set()
+    while True:
+        run_sweep(specs, configs, workdirs, workers, archive, measure)
+        planned |= {spec.run_id for spec in specs}
+        if archive is None:
+            return
+        specs, configs, workdirs = plan()
+        added = [spec.run_id for spec in specs if spec.run_id not in planned]
+        if not added:
+            return
+        logging.info("the plan grew by %d run(s) from the runs recorded in %s: %s",
+                     len(added), archive, ", ".join(added))
 
 
 def run_sweep(specs: list[RunSpec], configs: list[ml_collections.ConfigDict],

@@ -116,6 +116,37 @@ def test_a_sweep_archives_each_run_as_it_ends_and_trains_no_archived_run_again(
     assert archived_runs(archive, configs)[0]["run_id"] == specs[0].run_id
 
 
+def test_a_plan_that_grows_from_the_archive_is_run_until_it_adds_nothing(tmp_path,
+                                                                         monkeypatch):
+    """A plan of one run, then of two once that one is recorded, trains both and stops once
+    reading it again adds nothing; without an archive the plan is read once."""
+    base, specs = sweep.plan_file(STABILITY)
+    configs = [sweep.build_config(base, spec, {"train.steps": "4"}) for spec in specs[:2]]
+    trained = []
+
+    def run_logged(config, workdir, label):
+        trained.append(os.path.basename(workdir))
+        return run_record.run_once(config, workdir, train_fn=RecordingTrainer())["status"]
+
+    monkeypatch.setattr(sweep_archive, "run_logged", run_logged)
+    archive = str(tmp_path / "archive")
+    plans = []
+
+    def plan():  # run 0; once it is recorded, run 1 too
+        n = 1 + (archived_runs(archive, configs[:1])[0] is not None)
+        plans.append(n)
+        return specs[:n], configs[:n], [str(tmp_path / s.run_id) for s in specs[:n]]
+
+    sweep_runner.run_until_settled(plan, archive=archive)
+    assert trained == [s.run_id for s in specs[:2]] and plans == [1, 2, 2]
+    assert sorted(e["run_id"] for e in read_archive(archive)) == sorted(
+        s.run_id for s in specs[:2])
+    plans.clear()
+    monkeypatch.setattr(sweep_runner, "run_sweep", lambda *args: trained.append(args[0]))
+    sweep_runner.run_until_settled(plan, archive=None)
+    assert plans == [2] and len(trained) == 3
+
+
 def test_a_record_of_another_config_under_the_same_id_is_never_overwritten(tmp_path):
     config, other = base_config(), base_config()
     other.train.steps = 20  # e.g. the same plan under --override train.steps=20
