@@ -155,6 +155,7 @@ def run_pinned(fn: Callable, jobs: Sequence[tuple], workers: int,
         finally:
             pool.shutdown(wait=True)
     finally:
+        requested = watch.should_stop(0)  # also a request once every job had ended
         watch.close()
     unfinished = [f for f in futures if _unfinished(f, stopping)]
     errors = [f.exception() for f in futures if f not in unfinished and f.exception()]
@@ -166,4 +167,7 @@ def run_pinned(fn: Callable, jobs: Sequence[tuple], workers: int,
         raise Stopped(f"stopped on request with {len(unfinished)} of {len(jobs)} runs "
                       "unfinished (each one started saved a checkpoint); rerun the same command "
                       "to resume", interrupted)
+    if requested:
+        raise Stopped(f"stopped on request once all {len(jobs)} runs had ended; rerun the same "
+                      "command to go on", watch.interrupted)
     return [f.result() for f in futures]

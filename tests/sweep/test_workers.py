@@ -166,6 +166,37 @@ def test_a_signal_while_the_workers_start_stops_cleanly(tmp_path, delay):
     assert not list(tmp_path.glob("started_*")) and "Traceback" not in result.stderr
 
 
+LATE = """
+import os, signal
+from absl import app
+from postnorm.errors import exit_on_error
+from postnorm.sweep.workers import run_pinned
+from tests.sweep.test_workers import affinity_and_square
+
+def main(argv):
+    ended = []
+    def on_done(index, returned):  # SIGTERM once the last job has ended, before the pool closes
+        ended.append(index)
+        if len(ended) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+    print(run_pinned(affinity_and_square, [(1,), (2,)], 2, on_done))
+
+app.run(exit_on_error(main))
+"""
+
+
+def test_a_signal_after_the_last_job_ended_still_stops_the_caller():
+    """A stop asked for while the pool closes is not dropped: the caller (a sweep that would
+    plan again) gets Stopped."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs")
+    result = subprocess.run([sys.executable, "-c", LATE], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "postnorm: stopped on request once all 2 runs had ended" in result.stderr
+    assert "Traceback" not in result.stderr and not result.stdout
+
+
 def logging_job(index: int) -> int:
     """Runs in a worker: an INFO line, as a training run logs its progress, and a DEBUG one."""
     logging.info("job %d logs progress", index)
