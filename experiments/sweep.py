@@ -12,9 +12,11 @@ resume from their latest checkpoint, a run stopped by a non-finite step is recor
 ``nonfinite`` (a diverged cell of the map). Run ids name the fields the sweep varies, so
 dropping a value or varying one more field renames runs; a run uses the directory in DIR
 that holds a run of its config (its own id's first), so renamed runs are not trained again.
-With ``--archive``, once the plan's runs end the sweep file is read again and the runs it
-adds are trained too, until it adds none: a plan read from the archive grows as its runs are
-recorded (``configs/sweeps/protocol.py``'s brackets add the next rate past an open edge).
+With ``--archive`` and no ``--shard``, once the plan's runs end the sweep file is read again
+and the runs it adds are trained too, until it adds none: a plan read from the archive grows as
+its runs are recorded (``configs/sweeps/protocol.py``'s brackets). Under ``--shard i/n`` a run
+added would move others between shards, so each host reads the plan once: rerun the shards to
+train what it adds.
 ``--shard i/n`` runs every n-th run of the plan starting at i, so n hosts sharing DIR split
 the sweep; ``--workers N`` trains a shard's runs in N processes pinned to disjoint CPU sets of
 the host (``postnorm.sweep.workers``). As each run ends the log gives the shard's progress:
@@ -51,7 +53,9 @@ finished runs found in DIR:
 import functools
 import json
 import os
+from typing import NamedTuple
 
+import ml_collections
 from absl import app, flags, logging
 
 from postnorm.analysis.run_measures import run_measures
@@ -59,7 +63,7 @@ from postnorm.config.args import field_path, parse_flags
 from postnorm.errors import exit_on_error
 from postnorm.files import dumps, from_text, make_output_dir
 from postnorm.runtime.allocator import use_allocator
-from postnorm.sweep.archive import archive_finished, archived_runs, first_records
+from postnorm.sweep.archive import Measure, archive_finished, archived_runs, first_records
 from postnorm.sweep.plan import (
     RunSpec,
     build_config,
@@ -68,7 +72,12 @@ from postnorm.sweep.plan import (
     plan_file,
     shard,
 )
-from postnorm.sweep.runner import planned_configs, run_until_settled, run_workdirs
+from postnorm.sweep.runner import (
+    planned_configs,
+    run_sweep,
+    run_until_settled,
+    run_workdirs,
+)
 from postnorm.sweep.summary import MAP_AXES, write_pivot, write_summary
 from postnorm.sweep.workers import check_workers
 
@@ -112,27 +121,52 @@ def process_allocator(base_config: str, specs: list[RunSpec], extra: dict[str, s
     return build_config(base_config, specs[0], extra).runtime.allocator
 
 
-def read_plan(extra: dict[str, str]) -> tuple[str, list[RunSpec], list, list[dict | None]]:
-    """The sweep file's plan now: (BASE_CONFIG, specs, configs, per run the record of its
-    config in a ``--skip_archived`` archive or None), every config built and checked."""
+class SweepPlan(NamedTuple):
+    """The sweep file's plan as read now, every config built and checked."""
+
+    base_config: str
+    specs: list[RunSpec]
+    configs: list[ml_collections.ConfigDict]
+    elsewhere: list[dict | None]  # per run, its record in a --skip_archived archive, or None
+
+
+def read_plan(extra: dict[str, str]) -> SweepPlan:
     base_config, specs = plan_file(FLAGS.sweep)
     check_overrides(specs, extra)
     configs = planned_configs(base_config, specs, extra)
-    return base_config, specs, configs, first_records(FLAGS.skip_archived, configs,
-                                                      "--skip_archived")
+    return SweepPlan(base_config, specs, configs,
+                     first_records(FLAGS.skip_archived, configs, "--skip_archived"))
 
 
-def shard_plan(extra: dict[str, str], index: int, count: int) -> tuple[list, list, list]:
+def current_plan(extra: dict[str, str], archive: str | None,
+                 measure: Measure | None) -> tuple[SweepPlan, list[str]]:
+    """``read_plan`` and each run's workdir, once the runs finished in ``--out_dir`` but not in
+    the archive (trained before ``--archive`` was given) are recorded there; read again if any
+    was, since a plan may be read from the archive."""
+    for _ in range(2):
+        plan = read_plan(extra)
+        workdirs = run_workdirs(FLAGS.out_dir, plan.specs, plan.configs)
+        here = [i for i, record in enumerate(plan.elsewhere) if record is None]
+        if archive is None or not archive_finished(
+                archive, [plan.specs[i].run_id for i in here], [plan.configs[i] for i in here],
+                [workdirs[i] for i in here], measure,
+                lambda measures: measures.get("fresh_batches") != FLAGS.fresh_batches):
+            break
+    return plan, workdirs
+
+
+def shard_plan(extra: dict[str, str], index: int, count: int, archive: str | None,
+               measure: Measure | None) -> tuple[list, list, list]:
     """The specs, configs and workdirs of the runs the plan now gives shard ``index`` of
     ``count``, less those another sweep's archive records (``--skip_archived``)."""
-    _, specs, configs, elsewhere = read_plan(extra)
-    workdirs = run_workdirs(FLAGS.out_dir, specs, configs)
-    mine = shard(list(range(len(specs))), index, count)
-    if skipped := [specs[i].run_id for i in mine if elsewhere[i] is not None]:
+    plan, workdirs = current_plan(extra, archive, measure)
+    mine = shard(list(range(len(plan.specs))), index, count)
+    if skipped := [plan.specs[i].run_id for i in mine if plan.elsewhere[i] is not None]:
         logging.info("--skip_archived records %d runs, not trained here: %s", len(skipped),
                      ", ".join(skipped))
-    mine = [i for i in mine if elsewhere[i] is None]
-    return ([specs[i] for i in mine], [configs[i] for i in mine], [workdirs[i] for i in mine])
+    mine = [i for i in mine if plan.elsewhere[i] is None]
+    return ([plan.specs[i] for i in mine], [plan.configs[i] for i in mine],
+            [workdirs[i] for i in mine])
 
 
 def pivot_from_summary(out_dir: str) -> None:
@@ -166,26 +200,22 @@ def main(argv: list[str]) -> None:
     check_workers(FLAGS.workers)
     index, count = parse_shard(FLAGS.shard)
     extra = dict(item.split("=", 1) for item in FLAGS.override)
-    base_config, specs, configs, elsewhere = read_plan(extra)
-    use_allocator(process_allocator(base_config, specs, extra))  # may re-execute this command
+    first = read_plan(extra)  # every config checked before anything is written
+    use_allocator(process_allocator(first.base_config, first.specs, extra))  # may re-execute
     make_output_dir(FLAGS.out_dir, "--out_dir")
     archive = make_output_dir(FLAGS.archive, "--archive") if FLAGS.archive else None
     measure = (functools.partial(run_measures, fresh_batches=FLAGS.fresh_batches)
                if FLAGS.fresh_batches else None)
-    if not FLAGS.report_only:
-        run_until_settled(functools.partial(shard_plan, extra, index, count), FLAGS.workers,
-                          archive=archive, measure=measure)
-        base_config, specs, configs, elsewhere = read_plan(extra)  # the plan as it settled
-    workdirs = run_workdirs(FLAGS.out_dir, specs, configs)
-    here = [i for i in range(len(specs)) if elsewhere[i] is None]
-    if archive:
-        archive_finished(archive, [specs[i].run_id for i in here], [configs[i] for i in here],
-                         [workdirs[i] for i in here], measure,
-                         lambda measures: measures.get("fresh_batches") != FLAGS.fresh_batches)
+    this_shard = functools.partial(shard_plan, extra, index, count, archive, measure)
+    if not FLAGS.report_only and count == 1:
+        run_until_settled(this_shard, FLAGS.workers, archive=archive, measure=measure)
+    elif not FLAGS.report_only:  # a grown plan would move runs between shards: read it once
+        run_sweep(*this_shard(), FLAGS.workers, archive=archive, measure=measure)
+    plan, workdirs = current_plan(extra, archive, measure)
     # a run skipped for another archive's record is tabulated from that record
-    rows = write_summary(base_config, specs, FLAGS.out_dir, extra, workdirs,
-                         [own or other for own, other in zip(archived_runs(archive, configs),
-                                                              elsewhere, strict=True)])
+    rows = write_summary(plan.base_config, plan.specs, FLAGS.out_dir, extra, workdirs,
+                         [own or other for own, other in zip(archived_runs(archive, plan.configs),
+                                                              plan.elsewhere, strict=True)])
     print(dumps(rows, indent=1))
 
 

@@ -126,19 +126,18 @@ Plan = Callable[[], tuple[list[RunSpec], list[ml_collections.ConfigDict], list[s
 def run_until_settled(plan: Plan, workers: int = 1, archive: str | None = None,
                       measure: Measure | None = None) -> None:
     """Train the runs of ``plan()`` (specs, configs, workdirs) with ``run_sweep``; with
-    ``archive``, then call ``plan()`` again and train the runs it adds, until it adds none. A
-    plan read from the archive grows as its runs are recorded (the protocol's learning-rate
-    brackets add the next rate while their choice sits at an open edge). Only a run not planned
-    before is a reason to go on."""
+    ``archive``, call ``plan()`` again and train what it adds, until it adds no config
+    planned before (a plan read from the archive grows as its runs are recorded)."""
     specs, configs, workdirs = plan()
     planned: set[str] = set()
     while True:
         run_sweep(specs, configs, workdirs, workers, archive, measure)
-        planned |= {spec.run_id for spec in specs}
+        planned |= {config_digest(config_data(config)) for config in configs}
         if archive is None:
             return
         specs, configs, workdirs = plan()
-        added = [spec.run_id for spec in specs if spec.run_id not in planned]
+        added = [spec.run_id for spec, config in zip(specs, configs, strict=True)
+                 if config_digest(config_data(config)) not in planned]
         if not added:
             return
         logging.info("the plan grew by %d run(s) from the runs recorded in %s: %s",

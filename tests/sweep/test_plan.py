@@ -383,6 +383,59 @@ def test_the_sweep_command_writes_the_report(tmp_path, override):
     assert not third_party_info(result.stderr.splitlines()), result.stderr[-3000:]
 
 
+GROWING = """
+import os
+
+BASE_CONFIG = "configs/default.py"
+ARCHIVE = {archive!r}
+
+
+def run_name(overrides):
+    return f"seed{{overrides['seed']}}"
+
+
+def get_sweep(arg=None):  # seed 0; once it is recorded, seed 1 too
+    grown = os.path.exists(os.path.join(ARCHIVE, "seed0.json"))
+    return [{{"model.n_layers": 2, "train.steps": 2, "train.eval_every": 2, "seed": seed}}
+            for seed in ((0, 1) if grown else (0,))]
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["one host", "a shard of two", "trained before the archive"])
+def test_the_sweep_command_trains_what_its_plan_adds_as_runs_are_recorded(tmp_path, case):
+    """A plan read from the archive grows by a run once its first run is recorded: one host
+    trains both and tabulates both, also when the first was trained before ``--archive`` was
+    given (recorded before the plan is read again); a shard of several reads the plan once."""
+    archive = tmp_path / "archive"
+    sweep_file = tmp_path / "growing.py"
+    sweep_file.write_text(GROWING.format(archive=str(archive)))
+
+    def sweep_command(*args):
+        result = subprocess.run(
+            [sys.executable, "-m", "experiments.sweep", "--sweep", str(sweep_file),
+             "--out_dir", str(tmp_path / "runs"), *args],
+            cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stderr
+
+    if case == "trained before the archive":
+        sweep_command()
+        assert not archive.exists()
+    shard = "0/2" if case == "a shard of two" else "0/1"
+    stderr = sweep_command("--archive", str(archive), "--shard", shard)
+    recorded = sorted(p.stem for p in archive.glob("*.json"))
+    rows = json.loads((tmp_path / "runs" / "summary.json").read_text())
+    if case == "a shard of two":
+        assert recorded == ["seed0"] and "the plan grew" not in stderr
+        assert [(r["run_id"], r["status"]) for r in rows] == [("seed0", "done"),
+                                                              ("seed1", "missing")]
+        return
+    assert recorded == ["seed0", "seed1"]
+    assert ("the plan grew by 1 run(s)" in stderr) == (case == "one host")
+    assert [(r["run_id"], r["status"]) for r in rows] == [("seed0", "done"), ("seed1", "done")]
+
+
 def test_the_sweep_command_stops_with_exit_2_on_a_workdir_of_another_config(tmp_path):
     _, specs = sweep.plan_file(f"{STABILITY}:smoke")
     workdir = tmp_path / specs[0].run_id
