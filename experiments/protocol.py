@@ -8,7 +8,7 @@ and each planned run's record (matched by config digest, ``postnorm.sweep.archiv
 archived yet is ``missing``), and writes to --out_dir (``postnorm.sweep.protocol_table``):
 
 * ``bracket.md``: per method the held-out loss at step 300 at each rate, clipped then
-  unclipped, then at step 1,000 for the survival methods that train at no rate in 300 steps
+  unclipped, then at step 3,000 for the survival methods that train at no rate in 300 steps
   (the long bracket); its long-run rate (``protocol_table.long_run_choice``; the rate tried
   next while at an open edge) and the largest rate at which it trains (no collapse, loss under
   0.95 x L_freq); ``bracket.png``: the rate-sensitivity curves;
@@ -17,8 +17,9 @@ archived yet is ``missing``), and writes to --out_dir (``postnorm.sweep.protocol
   stably trained Post-Norm), seed-paired, beside its verdict on the 300-step screen
   (``results/leaderboard/leaderboard.json``, 48 layers, lr 1e-3, warmup 20);
 * ``width.md``: the same at d = 128, with the step time over d = 64's;
-* ``unplanned.md``: the archived runs no variant plans now (a survival run whose method's
-  long-run rate was chosen again, or is not settled), kept in the archive and in no table;
+* ``unplanned.md``: the archived runs no variant plans now (runs of an earlier plan: a bracket
+  of another horizon, a survival run whose method's long-run rate was chosen again or is not
+  settled), kept in the archive and in no table;
 * ``curves.png``: the held-out loss curves of the long runs, mean over seeds;
 * ``protocol.json``: all of it, each gap with the run ids it pairs.
 
@@ -155,7 +156,7 @@ def screen_verdicts(path: str = SCREEN) -> dict[str, str]:
 
 
 def unplanned_records(archive: str, rows: dict[str, list[dict]]) -> list[dict]:
-    """The records in ``archive`` of runs no variant plans now, by run id (the file's name)."""
+    """The records in ``archive`` of runs no variant plans now, by their run id."""
     planned = {r["run_id"] for variant_rows in rows.values() for r in variant_rows}
     out = []
     for entry in read_archive(archive):

@@ -44,8 +44,9 @@ survival run is archived.
 What is cut, and why (sized to about 1.5 days of the 2-core host at ~0.9 s per 48-layer step
 and ~0.3 s per 12-layer step): the bracket runs seed 0 only and 300 steps; the stress test
 (unclipped) only at the base rates; the long bracket starts from three rates, not five, and
-runs only for the methods the 300-step bracket cannot rank (about 70 min of the host per
-method at three rates, one of them its seed-0 survival run); survival covers the published
+runs only for the methods the 300-step bracket cannot rank: at the survival horizon it costs two
+3,000-step runs per method beyond the seed-0 survival run it includes (50-100 min each on this
+host, two at a time), which takes the plan past 1.5 days; survival covers the published
 baselines and the methods that prevented the collapse, not the ones that collapsed on the
 screen; the width step is 1,000 steps and two seeds.
 

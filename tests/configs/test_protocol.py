@@ -176,35 +176,36 @@ def test_a_record_of_another_config_under_a_planned_id_is_refused(tmp_path):
         protocol.bracket_rates("pre", archive)
 
 
-def test_a_method_that_trains_at_no_rate_in_300_steps_is_bracketed_again_over_more(tmp_path):
-    """DeepNorm at the floor at its one stable rate and collapsed above it in 300 steps gets
-    a bracket at the survival horizon, and its survival runs take that bracket's rate once it is
-    settled, the bracket's run at that rate being the seed-0 one; Pre-Norm, which trains in 300
-    steps, gets none."""
+@pytest.mark.parametrize(("method", "warmup"), [("deepnorm", protocol.WARMUP_FRACTION),
+                                               ("post", protocol.LONG_WARMUP_FRACTION)])
+def test_a_method_that_trains_at_no_rate_in_300_steps_is_bracketed_again_over_more(
+        tmp_path, method, warmup):
+    """A method at the floor at its one stable rate and collapsed above it in 300 steps gets
+    a bracket at the survival horizon (Post-Norm keeps its long warmup), and its survival runs
+    take that bracket's rate once it is settled, the bracket's run at that rate being the
+    seed-0 one; Pre-Norm, which trains in 300 steps, gets none."""
     rates = sorted(protocol.BRACKET_LRS)
     archive = _archive(tmp_path, [(protocol._bracket_run("pre", lr),
                                    5.0 + abs(math.log10(lr / rates[2]))) for lr in rates])
-    _archive(tmp_path, [(protocol._bracket_run("deepnorm", rates[0]), 5.9)])
-    _archive(tmp_path, [(protocol._bracket_run("deepnorm", lr), 5.8) for lr in rates[1:]],
+    _archive(tmp_path, [(protocol._bracket_run(method, rates[0]), 5.9)])
+    _archive(tmp_path, [(protocol._bracket_run(method, lr), 5.8) for lr in rates[1:]],
              collapsed=True)
-    assert protocol.bracket_rates("deepnorm", archive) == (rates, rates[0])
+    assert protocol.bracket_rates(method, archive) == (rates, rates[0])
     long_bracket = protocol.planned_runs("long_bracket", archive)
-    assert {run.method for run in long_bracket} == {"deepnorm"}
+    assert {run.method for run in long_bracket} == {method}
     assert sorted(run.lr for run in long_bracket) == sorted(protocol.LONG_BRACKET_LRS)
     assert all(run.config.train.steps == protocol.LONG_STEPS and run.clipped
-               and run.config.opt.warmup_steps == round(protocol.WARMUP_FRACTION
-                                                        * protocol.LONG_STEPS)
+               and run.config.opt.warmup_steps == round(warmup * protocol.LONG_STEPS)
                for run in long_bracket)
     survival = protocol.planned_runs("survival", archive)
-    assert {run.method for run in survival} == {"pre"}  # deepnorm waits for its long bracket
+    assert {run.method for run in survival} == {"pre"}  # the method waits for its long bracket
     long_rates = sorted(protocol.LONG_BRACKET_LRS)
     _archive(tmp_path, [(run.overrides, 4.0 + abs(math.log10(run.lr / long_rates[1])))
                         for run in long_bracket])
-    assert protocol.long_run_rate("deepnorm", archive) == long_rates[1]
-    deepnorm = [run for run in protocol.planned_runs("survival", archive)
-                if run.method == "deepnorm"]
-    assert {run.lr for run in deepnorm} == {long_rates[1]}
-    seed0 = next(run for run in deepnorm if run.seed == 0)
+    assert protocol.long_run_rate(method, archive) == long_rates[1]
+    runs = [run for run in protocol.planned_runs("survival", archive) if run.method == method]
+    assert {run.lr for run in runs} == {long_rates[1]} and len(runs) == len(protocol.SEEDS)
+    seed0 = next(run for run in runs if run.seed == 0)
     chosen = next(run for run in long_bracket if run.lr == long_rates[1])
     assert (seed0.run_id, seed0.config) == (chosen.run_id, chosen.config)
     assert protocol.archived_losses(archive, [seed0.overrides]) == {seed0.run_id: 4.0}
