@@ -126,8 +126,9 @@ Plan = Callable[[], tuple[list[RunSpec], list[ml_collections.ConfigDict], list[s
 def run_until_settled(plan: Plan, workers: int = 1, archive: str | None = None,
                       measure: Measure | None = None) -> None:
     """Train the runs of ``plan()`` (specs, configs, workdirs) with ``run_sweep``; with
-    ``archive``, call ``plan()`` again and train what it adds, until it adds no config
-    planned before (a plan read from the archive grows as its runs are recorded)."""
+    ``archive``, call ``plan()`` again and train the runs it adds (alone: the progress and ETA
+    are theirs), until it adds no config planned before (a plan read from the archive grows
+    as its runs are recorded)."""
     specs, configs, workdirs = plan()
     planned: set[str] = set()
     while True:
@@ -135,13 +136,13 @@ def run_until_settled(plan: Plan, workers: int = 1, archive: str | None = None,
         planned |= {config_digest(config_data(config)) for config in configs}
         if archive is None:
             return
-        specs, configs, workdirs = plan()
-        added = [spec.run_id for spec, config in zip(specs, configs, strict=True)
-                 if config_digest(config_data(config)) not in planned]
+        added = [run for run in zip(*plan(), strict=True)
+                 if config_digest(config_data(run[1])) not in planned]
         if not added:
             return
         logging.info("the plan grew by %d run(s) from the runs recorded in %s: %s",
-                     len(added), archive, ", ".join(added))
+                     len(added), archive, ", ".join(run[0].run_id for run in added))
+        specs, configs, workdirs = (list(column) for column in zip(*added, strict=True))
 
 
 def run_sweep(specs: list[RunSpec], configs: list[ml_collections.ConfigDict],
