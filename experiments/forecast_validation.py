@@ -4,6 +4,7 @@ depth out, beside two baselines; and the monitor's lead time against the onset s
     python -m experiments.forecast_validation
         [--archive results/leaderboard/runs,results/protocol/runs]
         [--out_dir results/figures/forecast]
+        [--frozen results/figures/forecast/frozen_model.json] [--freeze]
 
 Trains nothing. Writes to --out_dir: ``model.json`` (the step-0 models fitted on every run: what
 ``experiments.forecast`` and ``main.py`` read), ``validation.json`` (every run's held-out
@@ -16,8 +17,10 @@ four ``fc.VARIANTS`` each on its own), and the early-warning monitor as archived
 by step 30, and by the end of the run: a confirmation; scored on the runs with its replay, the
 leaderboard's measured runs). Method names are read from each record's config
 (``configs.sweeps.protocol.method_label``), never listed here. The step-0 forecast's scores are
-also given per archive: all runs' held-out probabilities scored on each archive's runs. About
-45 s on a busy 2-core CPU for 275 runs.
+also given per archive: all runs' held-out probabilities scored on each archive's runs. The
+frozen forecast at ``--frozen`` (``postnorm.analysis.forecast_frozen``) is scored blind on the
+runs archived after it was frozen; ``--freeze`` freezes this fit there. About 2 min on a busy
+2-core CPU for 426 runs.
 """
 
 import os
@@ -30,6 +33,7 @@ from absl import app, flags
 from configs.sweeps import protocol
 from postnorm.analysis import forecast as fc
 from postnorm.analysis.figures import save_figure
+from postnorm.analysis.forecast_frozen import blind_test, frozen, read_frozen
 from postnorm.analysis.tables import cell, markdown_table
 from postnorm.analysis.warning_replay import intervals_between
 from postnorm.diagnostics.early_warning import DEFAULT_RULE
@@ -43,6 +47,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 flags.DEFINE_list("archive", ["results/leaderboard/runs", "results/protocol/runs"],
                   "Sweep archives whose runs are read.")
 flags.DEFINE_string("out_dir", "results/figures/forecast", "Directory for the outputs.")
+flags.DEFINE_string("frozen", "results/figures/forecast/frozen_model.json",
+                    "A frozen forecast (postnorm.analysis.forecast_frozen), scored blind on the "
+                    "runs archived after it was frozen; none there: no blind test.")
+flags.DEFINE_bool("freeze", False, "Write this fit, frozen now, to --frozen (refused where a "
+                  "frozen forecast is: replacing it would restart its blind test).")
 FLAGS = flags.FLAGS
 
 SCHEMES = {"leave one method out": "method", "leave one depth out": "layers"}
@@ -55,6 +64,19 @@ CALIBRATION_TOL = 0.1
 
 class NoArchivedRunsError(UserError):
     """No archived run with a verdict was found."""
+
+
+class FreezeError(UserError):
+    """--freeze would replace a frozen forecast."""
+
+
+def freeze(path: str, models: dict) -> None:
+    """``models`` frozen now, written to ``path``, which must not hold one already."""
+    if os.path.exists(path):
+        raise FreezeError(f"--freeze: {path} holds a frozen forecast, whose blind test a new one "
+                          "would restart; move it aside first, or give another --frozen")
+    make_output_dir(os.path.dirname(os.path.abspath(path)), "--frozen's directory")
+    write_json_atomic(path, frozen(models, time.strftime("%Y-%m-%dT%H:%M:%S")))
 
 
 def archived_rows(archives: list[str]) -> tuple[list[dict], list[str]]:
@@ -71,7 +93,8 @@ def archived_rows(archives: list[str]) -> tuple[list[dict], list[str]]:
                 continue
             if row is not None:
                 config = entry["config"]
-                rows.append(row | {"archive": directory, "method": protocol.method_label(config),
+                rows.append(row | {"archive": directory, "archived_at": entry["archived_at"],
+                                   "method": protocol.method_label(config),
                                    "layers": config["model"]["n_layers"],
                                    "lr": config["opt"]["lr"],
                                    "warmup": config["opt"]["warmup_steps"],
@@ -313,6 +336,7 @@ def markdown(report: dict, models: dict) -> str:
                                 [[w["run_id"], f"{w['p_collapse']:.2f}", cell(w["collapsed"]),
                                   w["why"]] for w in result["wrong"]])
         lines.append("")
+    lines += blind_lines(report["blind"])
     lines += ["## The model fitted on every run (`model.json`)", ""]
     for target, label in (("collapse", "Collapse"), ("floor", "Floor")):
         pick = models["selection"][target]
@@ -337,6 +361,33 @@ def markdown(report: dict, models: dict) -> str:
               f"alike at some diagnostic step); the monitor warned on "
               f"{sum(r['first_warn'] is not None for r in quiet)} of them.", ""]
     return "\n".join(lines)
+
+
+def blind_lines(blind: dict | None) -> list[str]:
+    """The frozen forecast's blind test (``forecast_frozen.blind_test``), or that none ran."""
+    lines = ["## Blind: the frozen forecast on the runs recorded after it", ""]
+    if blind is None:
+        return lines + ["No frozen forecast at `--frozen`: `--freeze` writes one.", ""]
+    lines.append(
+        f"`{blind['path']}` is the step-0 forecast fitted on "
+        f"{blind['fitted_runs']} runs and frozen at {blind['frozen_at']}, never refitted. The "
+        "held-out scores above refit it in every fold, but its inputs and fitting rule were "
+        "chosen by people who had seen those runs; the runs archived after it was frozen test "
+        f"it blind. {blind['runs']} so far" + (":" if blind["runs"] else "."))
+    if blind["runs"]:
+        lines += ["", f"Collapse ({blind['collapse']['positives']} of {blind['runs']}): AUC "
+                  f"{blind['collapse']['auc']:.3f}, Brier {blind['collapse']['brier']:.3f}. "
+                  f"At the floor ({blind['floor']['positives']} of {blind['runs']}): AUC "
+                  f"{blind['floor']['auc']:.3f}, Brier {blind['floor']['brier']:.3f}. Too few "
+                  "runs for deciles; each is listed:", ""]
+        lines += markdown_table(
+            ["run", "archived", "p_collapse", "collapsed", "p_floor", "at the floor"],
+            [[r["run_id"], r["archived_at"], f"{r['p_collapse']:.2f}", cell(r["collapsed"]),
+              f"{r['p_floor']:.2f}", cell(r["floor"])] for r in blind["per_run"]])
+    if blind["unseen_before_freeze"]:
+        lines += ["", f"{blind['unseen_before_freeze']} runs it was not fitted on were archived "
+                  "before it was frozen: not blind, left out."]
+    return lines + [""]
 
 
 def variant_lines(result: dict) -> list[str]:
@@ -382,7 +433,11 @@ def main(argv: list[str]) -> None:
     out_dir = make_output_dir(os.path.abspath(FLAGS.out_dir), "--out_dir")
     rows, skipped = archived_rows(FLAGS.archive)
     models = fc.fit_forecast(rows, [r["method"] for r in rows])
-    report = validate(rows, FLAGS.archive) | {"skipped": skipped}
+    if FLAGS.freeze:
+        freeze(FLAGS.frozen, models)
+    blind = (blind_test(read_frozen(FLAGS.frozen), rows) | {"path": FLAGS.frozen}
+             if os.path.exists(FLAGS.frozen) else None)
+    report = validate(rows, FLAGS.archive) | {"skipped": skipped, "blind": blind}
     write_json_atomic(os.path.join(out_dir, "model.json"), models)
     write_json_atomic(os.path.join(out_dir, "validation.json"), report)
     table = markdown(report, models)

@@ -458,7 +458,7 @@ def design(rows: list[dict], names: tuple[str, ...]) -> np.ndarray:
 def fit_forecast(rows: list[dict], groups: list[object]) -> dict:
     """The three step-0 models fitted on archived rows (each with ``inputs``; ``groups``: each
     row's method, the inner folds): collapse and floor (logistic, by ``fit_selected``) and the
-    onset step's log on the collapsing runs (ridge, penalty ``L2``)."""
+    onset step's log on the collapsing runs (ridge, penalty ``L2``); with the runs' ids."""
     x_NxF = design(rows, STEP0)
     collapsing = [i for i, r in enumerate(rows) if r["collapsed"]]
     onsets = np.log([rows[i]["onset_step"] for i in collapsing])
@@ -471,6 +471,7 @@ def fit_forecast(rows: list[dict], groups: list[object]) -> dict:
     return models | {
         "log_onset": fit_ridge(x_NxF[collapsing], onsets, STEP0).to_json(),
         "selection": selection, "runs": len(rows), "collapsed": len(collapsing),
+        "run_ids": sorted(r["run_id"] for r in rows),
         "range": {n: [float(x_NxF[:, i].min()), float(x_NxF[:, i].max())]
                   for i, n in enumerate(STEP0)},
     }
