@@ -126,35 +126,37 @@ Plan = Callable[[], tuple[list[RunSpec], list[ml_collections.ConfigDict], list[s
 def run_until_settled(plan: Plan, workers: int = 1, archive: str | None = None,
                       measure: Measure | None = None) -> None:
     """Train the runs of ``plan()`` (specs, configs, workdirs) with ``run_sweep``; with
-    ``archive``, call ``plan()`` again and train the runs it adds (alone: the progress and ETA
-    are theirs), until it adds no config planned before (a plan read from the archive grows
-    as its runs are recorded)."""
+    ``archive``, call ``plan()`` again and train what it adds, until it adds no config
+    planned before (a plan read from the archive grows as its runs are recorded). A later
+    round names no finished run again; its progress and ETA count them."""
     specs, configs, workdirs = plan()
     planned: set[str] = set()
     while True:
-        run_sweep(specs, configs, workdirs, workers, archive, measure)
+        run_sweep(specs, configs, workdirs, workers, archive, measure,
+                  log_finished=not planned)
         planned |= {config_digest(config_data(config)) for config in configs}
         if archive is None:
             return
-        added = [run for run in zip(*plan(), strict=True)
-                 if config_digest(config_data(run[1])) not in planned]
+        specs, configs, workdirs = plan()
+        added = [spec.run_id for spec, config in zip(specs, configs, strict=True)
+                 if config_digest(config_data(config)) not in planned]
         if not added:
             return
         logging.info("the plan grew by %d run(s) from the runs recorded in %s: %s",
-                     len(added), archive, ", ".join(run[0].run_id for run in added))
-        specs, configs, workdirs = (list(column) for column in zip(*added, strict=True))
+                     len(added), archive, ", ".join(added))
 
 
 def run_sweep(specs: list[RunSpec], configs: list[ml_collections.ConfigDict],
               workdirs: list[str], workers: int = 1, archive: str | None = None,
-              measure: Measure | None = None) -> None:
+              measure: Measure | None = None, log_finished: bool = True) -> None:
     """Train (or skip) every run of ``specs``: in order, or in ``workers`` pinned processes,
     which take the runs with the most layer-steps first so that no long run starts last. First
     and as each run ends it logs the progress of these runs (``SweepProgress``; under
     ``--shard``, the shard's).
 
     With ``archive`` (``postnorm.sweep.archive``), a run recorded there is not trained, and each
-    run that ends is recorded there (with ``measure(workdir)`` when it ended ``done``)."""
+    run that ends is recorded there (with ``measure(workdir)`` when it ended ``done``).
+    ``log_finished``: name each run finished before (else only the progress counts it)."""
     archived = archived_runs(archive, configs)
     for spec, config, entry in zip(specs, configs, archived, strict=True):
         if archive is not None and entry is None:  # before any run trains
@@ -165,11 +167,13 @@ def run_sweep(specs: list[RunSpec], configs: list[ml_collections.ConfigDict],
             zip(specs, configs, workdirs, archived, strict=True), 1):
         label = f"run {number}/{len(specs)} {spec.run_id}"
         if entry is not None:
-            logging.info("%s: already finished (%s, archived in %s)", label,
-                         entry["result"]["status"], archive)
+            if log_finished:
+                logging.info("%s: already finished (%s, archived in %s)", label,
+                             entry["result"]["status"], archive)
             progress.add_finished(config.model.n_layers, *run_times(entry))
         elif is_finished(workdir, config):
-            logging.info("%s: already finished", label)
+            if log_finished:
+                logging.info("%s: already finished", label)
             progress.add_finished(config.model.n_layers,
                                   *run_times({"result": read_result(workdir)}))
         else:

@@ -118,9 +118,8 @@ def test_a_sweep_archives_each_run_as_it_ends_and_trains_no_archived_run_again(
 
 def test_a_plan_that_grows_from_the_archive_is_run_until_it_adds_nothing(tmp_path,
                                                                          monkeypatch):
-    """A plan of one run, then of two once that one is recorded, trains both, the second in
-    a round of its own, and stops once reading it again adds nothing; without an archive the
-    plan is read once."""
+    """A plan of one run, then of two once that one is recorded, trains both and stops once
+    reading it again adds nothing; without an archive the plan is read once."""
     base, specs = sweep.plan_file(STABILITY)
     configs = [sweep.build_config(base, spec, {"train.steps": "4"}) for spec in specs[:2]]
     trained = []
@@ -138,20 +137,18 @@ def test_a_plan_that_grows_from_the_archive_is_run_until_it_adds_nothing(tmp_pat
         plans.append(n)
         return specs[:n], configs[:n], [str(tmp_path / s.run_id) for s in specs[:n]]
 
-    rounds, run_sweep = [], sweep_runner.run_sweep
-
-    def spy(round_specs, *args):
-        rounds.append([s.run_id for s in round_specs])
-        run_sweep(round_specs, *args)
-
-    monkeypatch.setattr(sweep_runner, "run_sweep", spy)
+    lines = []
+    monkeypatch.setattr(sweep_runner.logging, "info", lambda fmt, *a: lines.append(fmt % a))
     sweep_runner.run_until_settled(plan, archive=archive)
     assert trained == [s.run_id for s in specs[:2]] and plans == [1, 2, 2]
-    assert rounds == [[specs[0].run_id], [specs[1].run_id]]  # a later round: the added run
+    # the second round names no finished run again, and its ETA counts the first's time
+    second = lines[next(i for i, line in enumerate(lines) if "the plan grew" in line):]
+    assert not any("already finished" in line for line in second)
+    assert "1 of 2 runs finished, 1 running, 0 left; ETA" in second[1]
     assert sorted(e["run_id"] for e in read_archive(archive)) == sorted(
         s.run_id for s in specs[:2])
     plans.clear()
-    monkeypatch.setattr(sweep_runner, "run_sweep", lambda *args: trained.append(args[0]))
+    monkeypatch.setattr(sweep_runner, "run_sweep", lambda *args, **_: trained.append(args[0]))
     sweep_runner.run_until_settled(plan, archive=None)
     assert plans == [2] and len(trained) == 3
 
