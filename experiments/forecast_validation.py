@@ -33,7 +33,7 @@ from absl import app, flags
 from configs.sweeps import protocol
 from postnorm.analysis import forecast as fc
 from postnorm.analysis.figures import save_figure
-from postnorm.analysis.forecast_frozen import blind_test, frozen, read_frozen
+from postnorm.analysis.forecast_frozen import blind_test, check_unfrozen, freeze, read_frozen
 from postnorm.analysis.tables import cell, markdown_table
 from postnorm.analysis.warning_replay import intervals_between
 from postnorm.diagnostics.early_warning import DEFAULT_RULE
@@ -66,18 +66,6 @@ class NoArchivedRunsError(UserError):
     """No archived run with a verdict was found."""
 
 
-class FreezeError(UserError):
-    """--freeze would replace a frozen forecast."""
-
-
-def freeze(path: str, models: dict) -> None:
-    """``models`` frozen now, written to ``path``, which must not hold one already."""
-    if os.path.exists(path):
-        raise FreezeError(f"--freeze: {path} holds a frozen forecast, whose blind test a new one "
-                          "would restart; move it aside first, or give another --frozen")
-    make_output_dir(os.path.dirname(os.path.abspath(path)), "--frozen's directory")
-    write_json_atomic(path, frozen(models, time.strftime("%Y-%m-%dT%H:%M:%S")))
-
 
 def archived_rows(archives: list[str]) -> tuple[list[dict], list[str]]:
     """The archived runs with a verdict as the forecast reads them (with their archive, method,
@@ -93,7 +81,8 @@ def archived_rows(archives: list[str]) -> tuple[list[dict], list[str]]:
                 continue
             if row is not None:
                 config = entry["config"]
-                rows.append(row | {"archive": directory, "archived_at": entry["archived_at"],
+                rows.append(row | {"archive": directory,
+                                   "finished_at": entry["result"]["finished_at"],
                                    "method": protocol.method_label(config),
                                    "layers": config["model"]["n_layers"],
                                    "lr": config["opt"]["lr"],
@@ -336,7 +325,7 @@ def markdown(report: dict, models: dict) -> str:
                                 [[w["run_id"], f"{w['p_collapse']:.2f}", cell(w["collapsed"]),
                                   w["why"]] for w in result["wrong"]])
         lines.append("")
-    lines += blind_lines(report["blind"])
+    lines += blind_lines(report["blind"], report["frozen_path"])
     lines += ["## The model fitted on every run (`model.json`)", ""]
     for target, label in (("collapse", "Collapse"), ("floor", "Floor")):
         pick = models["selection"][target]
@@ -363,17 +352,18 @@ def markdown(report: dict, models: dict) -> str:
     return "\n".join(lines)
 
 
-def blind_lines(blind: dict | None) -> list[str]:
+def blind_lines(blind: dict | None, frozen_path: str) -> list[str]:
     """The frozen forecast's blind test (``forecast_frozen.blind_test``), or that none ran."""
-    lines = ["## Blind: the frozen forecast on the runs recorded after it", ""]
+    lines = ["## Blind: the frozen forecast on the runs that finished after it", ""]
     if blind is None:
-        return lines + ["No frozen forecast at `--frozen`: `--freeze` writes one.", ""]
+        return lines + [f"No frozen forecast at `{frozen_path}`: `--freeze` writes one.", ""]
     lines.append(
-        f"`{blind['path']}` is the step-0 forecast fitted on "
-        f"{blind['fitted_runs']} runs and frozen at {blind['frozen_at']}, never refitted. The "
-        "held-out scores above refit it in every fold, but its inputs and fitting rule were "
-        "chosen by people who had seen those runs; the runs archived after it was frozen test "
-        f"it blind. {blind['runs']} so far" + (":" if blind["runs"] else "."))
+        f"`{frozen_path}` is the step-0 forecast fitted on {blind['fitted_runs']} runs and "
+        f"frozen at {blind['frozen_at']}, never refitted. The held-out scores above refit it in "
+        "every fold, but its inputs and fitting rule were chosen by people who had seen those "
+        "runs; the runs that finished after it was frozen (with a verdict: not stopped on a "
+        f"non-finite step) test it blind. {blind['runs']} so far"
+        + (":" if blind["runs"] else "."))
     if blind["runs"]:
         lines += ["", f"Collapse ({blind['collapse']['positives']} of {blind['runs']}): AUC "
                   f"{blind['collapse']['auc']:.3f}, Brier {blind['collapse']['brier']:.3f}. "
@@ -381,11 +371,11 @@ def blind_lines(blind: dict | None) -> list[str]:
                   f"{blind['floor']['auc']:.3f}, Brier {blind['floor']['brier']:.3f}. Too few "
                   "runs for deciles; each is listed:", ""]
         lines += markdown_table(
-            ["run", "archived", "p_collapse", "collapsed", "p_floor", "at the floor"],
-            [[r["run_id"], r["archived_at"], f"{r['p_collapse']:.2f}", cell(r["collapsed"]),
+            ["run", "finished", "p_collapse", "collapsed", "p_floor", "at the floor"],
+            [[r["run_id"], r["finished_at"], f"{r['p_collapse']:.2f}", cell(r["collapsed"]),
               f"{r['p_floor']:.2f}", cell(r["floor"])] for r in blind["per_run"]])
     if blind["unseen_before_freeze"]:
-        lines += ["", f"{blind['unseen_before_freeze']} runs it was not fitted on were archived "
+        lines += ["", f"{blind['unseen_before_freeze']} runs it was not fitted on had finished "
                   "before it was frozen: not blind, left out."]
     return lines + [""]
 
@@ -431,13 +421,16 @@ def main(argv: list[str]) -> None:
     del argv
     start = time.perf_counter()
     out_dir = make_output_dir(os.path.abspath(FLAGS.out_dir), "--out_dir")
+    if FLAGS.freeze:
+        check_unfrozen(FLAGS.frozen)  # before the fit
     rows, skipped = archived_rows(FLAGS.archive)
     models = fc.fit_forecast(rows, [r["method"] for r in rows])
     if FLAGS.freeze:
         freeze(FLAGS.frozen, models)
-    blind = (blind_test(read_frozen(FLAGS.frozen), rows) | {"path": FLAGS.frozen}
-             if os.path.exists(FLAGS.frozen) else None)
-    report = validate(rows, FLAGS.archive) | {"skipped": skipped, "blind": blind}
+    blind = (blind_test(read_frozen(FLAGS.frozen), rows) if os.path.exists(FLAGS.frozen)
+             else None)
+    report = validate(rows, FLAGS.archive) | {"skipped": skipped, "frozen_path": FLAGS.frozen,
+                                              "blind": blind}
     write_json_atomic(os.path.join(out_dir, "model.json"), models)
     write_json_atomic(os.path.join(out_dir, "validation.json"), report)
     table = markdown(report, models)

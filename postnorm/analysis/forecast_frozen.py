@@ -1,73 +1,95 @@
-"""A frozen step-0 forecast scored on the runs recorded after it was frozen: a blind test.
+"""A frozen step-0 forecast scored on the runs that finished after it was frozen: a blind test.
 
 The held-out scores of ``experiments.forecast_validation`` refit the forecast inside each fold,
 but its inputs and fitting rule were chosen by people who had seen the archive. A frozen
-forecast is a ``model.json`` (``fit_forecast``) written once with the time it was frozen and
-never refitted; the runs archived after that time, none of which it was fitted on, test it
-blind.
+forecast is a ``model.json`` (``fit_forecast``, with the ids of its runs) written once with the
+time it was frozen and never refitted; the runs that finished after that time test it blind.
+Times are as the records keep them (``finished_at``: the host's local time): the freeze and the
+runs must share a time zone, as the project's hosts do (UTC).
 """
 
+import datetime
 import json
+import os
+import time
 
 import numpy as np
 
 from postnorm.analysis import forecast as fc
 from postnorm.errors import UserError
+from postnorm.files import make_output_dir, write_json_atomic
 
-KEYS = ("collapse", "floor", "log_onset", "range", "run_ids", "frozen_at")
+FROZEN_KEYS = ("collapse", "floor", "log_onset", "range", "run_ids", "frozen_at")
+TIME_FORMAT = "%Y-%m-%dT%H:%M:%S"  # the records' ``finished_at``
 
 
 class FrozenForecastError(UserError):
-    """A frozen forecast that cannot be read, or that reads other inputs than the forecast."""
+    """A frozen forecast that cannot be read or scored, or that would be replaced."""
 
 
-def frozen(models: dict, frozen_at: str) -> dict:
-    """``models`` (``fit_forecast``'s, with ``run_ids``) frozen at ``frozen_at`` (ISO time)."""
-    return models | {"frozen_at": frozen_at}
+def check_unfrozen(path: str) -> None:
+    """Refuse to freeze at ``path`` where a frozen forecast is."""
+    if os.path.exists(path):
+        raise FrozenForecastError(
+            f"--freeze: {path} holds a frozen forecast, whose blind test a new one would "
+            "restart; move it aside first, or give another --frozen")
+
+
+def freeze(path: str, models: dict) -> None:
+    """``models`` (``fit_forecast``'s) frozen now, written to ``path``, which must hold none."""
+    check_unfrozen(path)
+    make_output_dir(os.path.dirname(os.path.abspath(path)), "--frozen's directory")
+    write_json_atomic(path, models | {"frozen_at": time.strftime(TIME_FORMAT)})
 
 
 def read_frozen(path: str) -> dict:
     """The frozen forecast at ``path``, checked to read the forecast's own inputs."""
+    fix = f"move {path} aside, then freeze the current forecast with --freeze"
     try:
         with open(path) as f:
             models = json.load(f)
-        if missing := [k for k in KEYS if k not in models]:
+        if missing := [k for k in FROZEN_KEYS if k not in models]:
             raise KeyError(f"no {', '.join(missing)}")
+        datetime.datetime.strptime(models["frozen_at"], TIME_FORMAT)
         names = {k: tuple(fc.Linear.from_json(models[k]).names) for k in ("collapse", "floor")}
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise FrozenForecastError(
-            f"--frozen={path} is not a frozen forecast ({type(err).__name__}: {err}); write one "
-            "with python -m experiments.forecast_validation --freeze") from err
-    if any(n != fc.STEP0 for n in names.values()):
-        raise FrozenForecastError(
-            f"--frozen={path} reads the inputs {list(names['collapse'])}, the forecast "
-            f"{list(fc.STEP0)}: it cannot be scored; move it aside and freeze the current "
-            "forecast with --freeze (its blind test starts again)")
+        raise FrozenForecastError(f"--frozen={path} is not a frozen forecast "
+                                  f"({type(err).__name__}: {err}); {fix}") from err
+    for target, read in names.items():
+        if read != fc.STEP0:
+            raise FrozenForecastError(
+                f"--frozen={path}: its {target} model reads the inputs {list(read)}, the "
+                f"forecast {list(fc.STEP0)}, so it cannot be scored; {fix} (its blind test "
+                "starts again)")
     return models
 
 
 def blind_test(models: dict, rows: list[dict]) -> dict:
-    """``models`` (``read_frozen``) on ``rows`` (``archived_rows``, each with ``archived_at``):
-    the probabilities, AUC and Brier score of collapse and of the floor on the runs archived
-    after ``frozen_at`` that it was not fitted on; the runs it was not fitted on but that were
-    archived before it was frozen are counted apart (not blind: they existed when it was
-    fitted)."""
+    """``models`` (``read_frozen``) on ``rows`` (``archived_rows``, each with ``finished_at``):
+    the probabilities, AUC and Brier score of collapse and of the floor on the runs that
+    finished after ``frozen_at``; the runs it was not fitted on that had finished by then are
+    counted apart (not blind). Runs are named by id, which must be unique across ``rows``."""
+    ids = [r["run_id"] for r in rows]
+    if twice := sorted({i for i in ids if ids.count(i) > 1}):
+        raise FrozenForecastError(f"run ids {twice} are in more than one archive: the frozen "
+                                  "forecast names its runs by id; give one of those archives")
     fitted = set(models["run_ids"])
     unseen = [r for r in rows if r["run_id"] not in fitted]
-    blind = [r for r in unseen if r["archived_at"] > models["frozen_at"]]
+    blind = [r for r in unseen if r["finished_at"] > models["frozen_at"]]
     result = {"frozen_at": models["frozen_at"], "fitted_runs": len(fitted),
               "runs": len(blind), "unseen_before_freeze": len(unseen) - len(blind), "per_run": []}
     if not blind:
         return result
     x_NxF = fc.design(blind, fc.STEP0)
     labels = {"collapse": "collapsed", "floor": "floor"}
-    p_TxN = {t: fc.probability(fc.Linear.from_json(models[t]), x_NxF) for t in labels}
+    p_by_target = {t: fc.probability(fc.Linear.from_json(models[t]), x_NxF) for t in labels}
     for target, key in labels.items():
         y_N = np.array([r[key] for r in blind])
-        result[target] = {"positives": int(y_N.sum()), "auc": fc.auc(y_N, p_TxN[target]),
-                          "brier": fc.brier(y_N, p_TxN[target])}
-    result["per_run"] = [{"run_id": r["run_id"], "archived_at": r["archived_at"],
-                          "p_collapse": float(p_TxN["collapse"][i]), "collapsed": r["collapsed"],
-                          "p_floor": float(p_TxN["floor"][i]), "floor": r["floor"]}
+        result[target] = {"positives": int(y_N.sum()), "auc": fc.auc(y_N, p_by_target[target]),
+                          "brier": fc.brier(y_N, p_by_target[target])}
+    result["per_run"] = [{"run_id": r["run_id"], "finished_at": r["finished_at"],
+                          "p_collapse": float(p_by_target["collapse"][i]),
+                          "collapsed": r["collapsed"],
+                          "p_floor": float(p_by_target["floor"][i]), "floor": r["floor"]}
                          for i, r in enumerate(blind)]
     return result
