@@ -19,7 +19,7 @@ leaderboard's measured runs). Method names are read from each record's config
 (``configs.sweeps.protocol.method_label``), never listed here. The step-0 forecast's scores are
 also given per archive: all runs' held-out probabilities scored on each archive's runs. The
 frozen forecast at ``--frozen`` (``postnorm.analysis.forecast_frozen``) is scored blind on the
-runs archived after it was frozen; ``--freeze`` freezes this fit there. About 2 min on a busy
+runs that finished after it was frozen; ``--freeze`` freezes this fit there. About 2 min on a busy
 2-core CPU for 426 runs.
 """
 
@@ -49,7 +49,7 @@ flags.DEFINE_list("archive", ["results/leaderboard/runs", "results/protocol/runs
 flags.DEFINE_string("out_dir", "results/figures/forecast", "Directory for the outputs.")
 flags.DEFINE_string("frozen", "results/figures/forecast/frozen_model.json",
                     "A frozen forecast (postnorm.analysis.forecast_frozen), scored blind on the "
-                    "runs archived after it was frozen; none there: no blind test.")
+                    "runs that finished after it was frozen; none there: no blind test.")
 flags.DEFINE_bool("freeze", False, "Write this fit, frozen now, to --frozen (refused where a "
                   "frozen forecast is: replacing it would restart its blind test).")
 FLAGS = flags.FLAGS
@@ -64,7 +64,6 @@ CALIBRATION_TOL = 0.1
 
 class NoArchivedRunsError(UserError):
     """No archived run with a verdict was found."""
-
 
 
 def archived_rows(archives: list[str]) -> tuple[list[dict], list[str]]:
