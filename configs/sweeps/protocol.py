@@ -187,11 +187,18 @@ class PlannedRun:
         return self.overrides["opt.clip_norm"] != 0
 
 
+def _long_run(method: str, lr: float, seed: int, steps: int = LONG_STEPS,
+              **extra: object) -> dict[str, object]:
+    """A 48-layer run of ``method``: Post-Norm warms up over ``LONG_WARMUP_FRACTION`` of
+    its steps, every other method over ``WARMUP_FRACTION``."""
+    warmup = LONG_WARMUP_FRACTION if method == "post" else WARMUP_FRACTION
+    return {**protocol(steps, warmup), **_method(method), "model.n_layers": 48, "opt.lr": lr,
+            "seed": seed, **extra}
+
+
 def _bracket_run(method: str, lr: float, clip: float = CLIP,
                  steps: int = SCREEN_STEPS) -> dict[str, object]:
-    warmup = LONG_WARMUP_FRACTION if method == "post" else WARMUP_FRACTION
-    fields = {**protocol(steps, warmup), **_method(method),
-              "model.n_layers": 48, "opt.lr": lr, "seed": 0}
+    fields = _long_run(method, lr, 0, steps)
     return {**fields, "opt.clip_norm": clip} if clip != CLIP else fields
 
 
@@ -303,13 +310,6 @@ def _long_bracket(archive_dir: str) -> list[PlannedRun]:
 def _stress() -> list[PlannedRun]:
     return [PlannedRun("stress", method, _bracket_run(method, lr, 0.0))
             for method in BRACKET_METHODS for lr in BRACKET_LRS]
-
-
-def _long_run(method: str, lr: float, seed: int, steps: int = LONG_STEPS,
-              **extra: object) -> dict[str, object]:
-    warmup = LONG_WARMUP_FRACTION if method == "post" else WARMUP_FRACTION
-    return {**protocol(steps, warmup), **_method(method), "model.n_layers": 48, "opt.lr": lr,
-            "seed": seed, **extra}
 
 
 def _survival(archive_dir: str) -> list[PlannedRun]:

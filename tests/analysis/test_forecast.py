@@ -399,9 +399,11 @@ def test_the_fit_reads_methods_as_labels_only():
     assert fits[0] == fits[1]
 
 
+@pytest.mark.slow
 def test_the_committed_model_and_validation_are_the_commands_output(tmp_path):
     """The command FORECAST.md gives rewrites model.json and validation.json as committed from
-    the archive alone (run as a process: it defines its own flags)."""
+    the archive alone (run as a process: it defines its own flags). Slow: it refits every fold,
+    a cost that grows with the archive."""
     result = subprocess.run([sys.executable, "-m", "experiments.forecast_validation",
                              f"--out_dir={tmp_path}"], cwd=REPO, capture_output=True, text=True,
                             timeout=600, env=subprocess_env(None))
