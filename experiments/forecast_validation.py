@@ -20,7 +20,7 @@ leaderboard's measured runs). Method names are read from each record's config
 also given per archive: all runs' held-out probabilities scored on each archive's runs. The
 frozen forecast at ``--frozen`` (``postnorm.analysis.forecast_frozen``) is scored blind on the
 runs that finished after it was frozen; ``--freeze`` freezes this fit there. About 2 min on a busy
-2-core CPU for 426 runs.
+2-core CPU for the archive of late 2026 (about 430 runs).
 """
 
 import os

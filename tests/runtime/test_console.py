@@ -100,7 +100,7 @@ def check_summary(lines: list[str], workdir: Path) -> None:
 def test_orbax_lines_only_at_log_level_info_and_the_summary_last(tmp_path, tmp_path_factory):
     """A tiny run saving a checkpoint: no orbax, tfds or clu INFO line by default, all back with
     runtime.log_level=info; either way the summary closes the console. Slow: two runs of
-    main.py (34 s)."""
+    main.py."""
     assert not PROJECT_FILES & set(ORBAX_FILES)
     corpus, cache = write_corpus(tmp_path / "corpus"), jax_cache_dir(tmp_path_factory)
     consoles = {}
