@@ -110,9 +110,8 @@ def main(argv: list[str]) -> None:
                  jax.__version__, jax.process_index(), jax.process_count(),
                  jax.local_device_count(), jax.device_count(), jax.devices(), allocator)
     if FLAGS.mode == "train":
-        if jax.process_index() == 0:
-            logging.info("%s", forecast_line(config))  # never raises: says why if it has none
-        train_and_evaluate(config, workdir)
+        # forecast_line never raises: it says why where it has no forecast
+        train_and_evaluate(config, workdir, lambda: logging.info("%s", forecast_line(config)))
         for line in finish_run(os.path.abspath(workdir)):  # plots, report.html, the summary
             print(line, flush=True)
     else:

@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+from collections.abc import Callable
 
 import jax
 import ml_collections
@@ -60,8 +61,13 @@ def _restore_or_init(exp: Experiment, ckpt: Checkpointer, before: int | None = N
     return state, step, data_iter
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       on_ready: Callable[[], None] | None = None) -> dict[str, float]:
     """Train ``config`` in ``workdir`` (resuming if possible); returns the final metrics.
+
+    ``on_ready`` runs on process 0 once the config, workdir and data have passed their checks,
+    before the first step compiles (``main.py`` logs the step-0 forecast there, so bad input
+    is refused without waiting for it).
 
     Raises ``Preempted`` after checkpointing on SIGTERM, and ``NonFiniteError`` when a
     non-finite step stops the run (policy ``abort``, or ``rollback`` out of rollbacks).
@@ -71,7 +77,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     lock = WorkdirLock(workdir)
     stop_together(lock.acquire if jax.process_index() == 0 else lambda: None, unusable_elsewhere)
     try:
-        return _train_holding_the_lock(config, workdir)
+        return _train_holding_the_lock(config, workdir, on_ready)
     finally:
         lock.release()
 
@@ -102,7 +108,8 @@ def _check_workdir_again(workdir: str, config: ml_collections.ConfigDict) -> Non
         read_jsonl(metrics)
 
 
-def _train_holding_the_lock(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+def _train_holding_the_lock(config: ml_collections.ConfigDict, workdir: str,
+                            on_ready: Callable[[], None] | None) -> dict[str, float]:
     """``train_and_evaluate`` once ``workdir`` is this run's alone."""
     stop_together(lambda: _check_workdir_again(workdir, config), unusable_elsewhere)
     ckpt = Checkpointer(Workdir(workdir).checkpoints, save_every=config.train.ckpt_every,
@@ -110,6 +117,8 @@ def _train_holding_the_lock(config: ml_collections.ConfigDict, workdir: str) -> 
     try:
         exp = build_experiment(config, lambda data: _check_resumed_data(workdir, config, data),
                                workdir=workdir)
+        if on_ready is not None and jax.process_index() == 0:
+            on_ready()
         state, start, data_iter = _restore_or_init(exp, ckpt)
         stop_together(lambda: _record_run(workdir, exp.config, exp.data.info, start)
                       if jax.process_index() == 0 else None, unusable_elsewhere)

@@ -60,6 +60,7 @@ def test_cli_missing_c4_says_where_it_looked(tmp_path):
     assert result.returncode == 2
     assert f"{tmp_path}/c4/en/3.0.1" in result.stderr
     assert "docs/C4.md" in result.stderr
+    assert "collapse forecast" not in result.stderr  # refused before the forecast is computed
 
 
 def test_cli_unreadable_tokenizer(tmp_path):
