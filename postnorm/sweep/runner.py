@@ -24,7 +24,7 @@ from postnorm.sweep.archive import (
     run_and_archive,
 )
 from postnorm.sweep.plan import RunSpec, SweepError, build_config
-from postnorm.sweep.progress import SweepProgress, run_times
+from postnorm.sweep.progress import RunShape, SweepProgress, run_times
 from postnorm.sweep.record import (
     RunRecordError,
     is_finished,
@@ -150,7 +150,7 @@ def run_sweep(specs: list[RunSpec], configs: list[ml_collections.ConfigDict],
               workdirs: list[str], workers: int = 1, archive: str | None = None,
               measure: Measure | None = None, log_finished: bool = True) -> None:
     """Train (or skip) every run of ``specs``: in order, or in ``workers`` pinned processes,
-    which take the runs with the most layer-steps first so that no long run starts last. First
+    which take the runs with the most FLOPs first so that no long run starts last. First
     and as each run ends it logs the progress of these runs (``SweepProgress``; under
     ``--shard``, the shard's).
 
@@ -170,27 +170,27 @@ def run_sweep(specs: list[RunSpec], configs: list[ml_collections.ConfigDict],
             if log_finished:
                 logging.info("%s: already finished (%s, archived in %s)", label,
                              entry["result"]["status"], archive)
-            progress.add_finished(config.model.n_layers, *run_times(entry))
+            progress.add_finished(RunShape.of(config), *run_times(entry))
         elif is_finished(workdir, config):
             if log_finished:
                 logging.info("%s: already finished", label)
-            progress.add_finished(config.model.n_layers,
+            progress.add_finished(RunShape.of(config),
                                   *run_times({"result": read_result(workdir)}))
         else:
             jobs.append((config, workdir, label, spec.run_id))
     if jobs and workers > 1:
         load_data(jobs[0][0].data, seed=jobs[0][0].seed)  # build the shared caches once
-        jobs.sort(key=lambda job: job[0].model.n_layers * job[0].train.steps, reverse=True)
-    left = [job[0].model.n_layers for job in jobs]
+        jobs.sort(key=lambda job: RunShape.of(job[0]).flops, reverse=True)
+    left = [RunShape.of(job[0]) for job in jobs]
 
     def log_progress() -> None:
         logging.info("the sweep: %s", progress.line(left, min(workers, len(left))))
 
     def ended(index: int, returned: bool) -> None:
         config, workdir, _, run_id = jobs[index]
-        left.remove(config.model.n_layers)
+        left.remove(RunShape.of(config))
         if returned:
-            progress.add_finished(config.model.n_layers,
+            progress.add_finished(RunShape.of(config),
                                   *_ended_run_times(workdir, archive, run_id))
         else:
             progress.add_failed()

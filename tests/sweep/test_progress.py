@@ -1,46 +1,86 @@
 """A sweep's progress (postnorm.sweep.progress): the ETA from the measured training and measuring
-times, by depth or scaled per layer, worked by hand; a sweep logs it as each run ends, with the
-measuring time its archive records; the pinned workers report each job that returns."""
+times, by run shape or scaled by FLOPs, worked by hand, and the FLOPs counted on the real model's
+weights; a sweep logs it as each run ends, with the measuring time its archive records; the
+pinned workers report each job that returns."""
 
 import os
 import re
 import time
 
+import jax
 import ml_collections
+import numpy as np
 import pytest
 from absl import logging
 
+from postnorm.model import ModelSpec
+from postnorm.model.decoder import abstract_params
 from postnorm.sweep import archive as sweep_archive
 from postnorm.sweep import plan as sweep
 from postnorm.sweep import record as run_record
 from postnorm.sweep import runner as sweep_runner
 from postnorm.sweep.archive import read_archive
-from postnorm.sweep.progress import SweepProgress, duration, plan_progress, run_times
+from postnorm.sweep.progress import (
+    RunShape,
+    SweepProgress,
+    duration,
+    plan_progress,
+    run_times,
+)
 from postnorm.sweep.workers import run_pinned
 from tests.sweep.test_plan import STABILITY, RecordingTrainer
 
 
-def test_the_eta_takes_each_depths_times_or_scales_them_per_layer():
+def shape(layers: int, steps: int = 300, d_model: int = 64) -> RunShape:
+    return RunShape(layers=layers, steps=steps, d_model=d_model, d_ff=3 * d_model, seq_len=128,
+                    batch_size=16, vocab_size=8192)
+
+
+def test_the_flops_are_six_per_matmul_weight_and_token_plus_causal_attention():
+    run = shape(3, steps=5, d_model=16)
+    spec = ModelSpec(vocab_size=run.vocab_size, max_len=run.seq_len, n_layers=run.layers,
+                     d_model=run.d_model, n_heads=2, d_ff=run.d_ff)
+    matmul_weights = sum(leaf.size for path, leaf in
+                         jax.tree_util.tree_leaves_with_path(abstract_params(spec))
+                         if leaf.ndim == 3 or "lm_head" in jax.tree_util.keystr(path))
+    tokens = run.steps * run.batch_size * run.seq_len
+    # causal attention: each token's query meets (n + 1) / 2 keys on average, 2 d FLOPs for its
+    # score and 2 d for its share of the mix, forward; the backward pass twice that
+    attention = 3 * 4 * run.d_model * np.mean(np.arange(1, run.seq_len + 1)) * run.layers
+    assert run.flops == pytest.approx(tokens * (6 * matmul_weights + attention), rel=1e-3)
+
+
+def test_the_eta_takes_each_shapes_times_or_scales_them_by_flops():
     progress = SweepProgress(total=10, workers=2)
-    assert progress.line([12, 12]) == "0 of 10 runs finished, 2 left"  # nothing timed
-    progress.add_finished(12, 100.0, 30.0)
-    progress.add_finished(12, 120.0, None)  # measured before measuring was timed
-    progress.add_finished(48, 400.0, None)
-    progress.add_finished(48, None, None)  # stopped by a non-finite step: no time
-    # depth 12: 110 s of training + 30 s of measuring; 48: 400 + 30 / 12 per layer x 48;
-    # 24: the mean per layer of 110 / 12 and 400 / 48, x 24, + 30 / 12 x 24
-    assert progress.run_estimate(12) == pytest.approx(140.0)
-    assert progress.run_estimate(48) == pytest.approx(520.0)
-    assert progress.run_estimate(24) == pytest.approx((110 / 12 + 400 / 48) / 2 * 24 + 60)
+    assert progress.line([shape(12), shape(12)]) == "0 of 10 runs finished, 2 left"
+    progress.add_finished(shape(12), 100.0, 30.0)
+    progress.add_finished(shape(12), 120.0, None)  # measured before measuring was timed
+    progress.add_finished(shape(48), 400.0, None)
+    progress.add_finished(shape(48), None, None)  # stopped by a non-finite step: no time
+    # 12 layers: 110 s of training + 30 s of measuring; 48: 400 + 30 s scaled by the FLOPs
+    assert progress.run_estimate(shape(12)) == pytest.approx(140.0)
+    measure_48 = 30 * shape(48).flops / shape(12).flops
+    assert progress.run_estimate(shape(48)) == pytest.approx(400 + measure_48)
+    # 24 layers: the mean time per FLOP of the two depths timed, times its FLOPs
+    per_flop = (110 / shape(12).flops + 400 / shape(48).flops) / 2
+    measure_24 = 30 * shape(24).flops / shape(12).flops
+    assert progress.run_estimate(shape(24)) == pytest.approx(per_flop * shape(24).flops
+                                                             + measure_24)
+    # 10x the steps at 48 layers: 10x the time, from the 48-layer runs alone
+    assert progress.run_estimate(shape(48, steps=3000)) == pytest.approx(10 * (400 + measure_48))
+    # twice the width: scaled by the FLOPs from every shape timed
+    wide = shape(48, d_model=128)
+    assert progress.run_estimate(wide) == pytest.approx(per_flop * wide.flops
+                                                        + 30 * wide.flops / shape(12).flops)
     # one 48-layer run running (half its estimate), a 24- and a 12-layer run waiting
-    eta = (0.5 * 520 + 270 + 140) / 2
-    assert eta == pytest.approx(335.0)
-    assert progress.line([48, 24, 12], running=1) == (
-        "4 of 10 runs finished, 1 running, 2 left; ETA 5 min 35 s with 2 worker(s)")
+    estimates = [progress.run_estimate(shape(n)) for n in (48, 24, 12)]
+    eta = (0.5 * estimates[0] + estimates[1] + estimates[2]) / 2
+    assert progress.line([shape(48), shape(24), shape(12)], running=1) == (
+        f"4 of 10 runs finished, 1 running, 2 left; ETA {duration(eta)} with 2 worker(s)")
     # one run left with two workers: the ETA is that run's, not half of it
-    assert progress.line([48]).endswith("ETA 8 min 40 s with 2 worker(s)")
+    assert progress.line([shape(48)]).endswith(f"ETA {duration(estimates[0])} with 2 worker(s)")
     progress.add_failed()
-    assert progress.line([12], running=1) == (
+    assert progress.line([shape(12)], running=1) == (
         "4 of 10 runs finished, 1 failed, 1 running, 0 left; ETA 1 min 10 s with 2 worker(s)")
     assert [duration(s) for s in (12.4, 60, 3599.6, 3600 + 52 * 60 + 29)] == [
         "12 s", "1 min 00 s", "1 h 00 min", "1 h 52 min"]
@@ -53,18 +93,22 @@ def test_a_run_stopped_by_a_non_finite_step_gives_no_training_time():
 
 def test_an_eta_without_measuring_times_says_it_counts_training_only():
     progress = SweepProgress(total=3, workers=1)
-    progress.add_finished(48, 3600.0, None)
-    assert progress.line([48, 48]) == (
+    progress.add_finished(shape(48), 3600.0, None)
+    assert progress.line([shape(48), shape(48)]) == (
         "1 of 3 runs finished, 2 left; ETA 2 h 00 min with 1 worker(s) "
         "(training only: no finished run records its measuring time)")
     unmeasured = SweepProgress(total=3, workers=1, measured=False)  # a plan that measures none
-    unmeasured.add_finished(48, 3600.0, None)
-    assert unmeasured.line([48, 48]) == (
+    unmeasured.add_finished(shape(48), 3600.0, None)
+    assert unmeasured.line([shape(48), shape(48)]) == (
         "1 of 3 runs finished, 2 left; ETA 2 h 00 min with 1 worker(s)")
 
 
 def test_a_plans_line_counts_the_archives_measuring_times():
-    configs = [ml_collections.ConfigDict({"model": {"n_layers": n}}) for n in (24, 24, 48, 24)]
+    configs = [ml_collections.ConfigDict({"model": {"n_layers": n, "d_model": 64, "d_ff": 192},
+                                          "train": {"steps": 300},
+                                          "data": {"seq_len": 128, "batch_size": 16,
+                                                   "vocab_size": 8192}})
+               for n in (24, 24, 48, 24)]
     rows = [{"status": "done", "wall_s": 100.0}, {"status": "done", "wall_s": 140.0},
             {"status": "nonfinite", "wall_s": 5.0}, {"status": "missing"}]
     archived = [{"measure_s": 60.0}, None, {"measure_s": None}, None]
@@ -108,7 +152,7 @@ def test_a_sweep_logs_its_progress_as_each_run_ends_with_the_measuring_time(
     # the tracker got each run's training time and its measuring time as its record keeps them
     records = {e["run_id"]: e for e in read_archive(archive)}
     assert all(e["measure_s"] >= 0.2 for e in records.values())
-    assert sorted(fed) == sorted((c.model.n_layers, records[s.run_id]["result"]["wall_s"],
+    assert sorted(fed) == sorted((RunShape.of(c), records[s.run_id]["result"]["wall_s"],
                                   records[s.run_id]["measure_s"])
                                  for s, c in zip(specs, configs, strict=True))
 
