@@ -21,6 +21,7 @@ import numpy as np
 ArrayLike = float | np.ndarray
 GATE_NODES = 80  # Gauss-Hermite nodes per axis of the gate kernel; converged to ~1e-12
 KERNEL_GRID = 4097  # rho grid of the tabulated gate kernel used on Gram matrices
+GATE_CHUNK = 16  # points of the gate kernel computed at once (16 x nodes^2 values)
 S_READINGS = ("vo", "v_only")
 INIT_SCHEMES = ("torch_default", "normal_0.02", "lecun_normal", "xavier", "xavier_normal")
 
@@ -119,11 +120,22 @@ def gate_kernel(rho: ArrayLike, a: ArrayLike, nodes: int = GATE_NODES) -> np.nda
     _check_range("rho", rho, -1.0, 1.0)
     _check_range("a", a, 0.0)
     rho, a = np.broadcast_arrays(np.asarray(rho, np.float64), np.asarray(a, np.float64))
-    rho4, a4 = rho[..., None, None], a[..., None, None]
+    rho_P, a_P, m_P = rho.ravel(), a.ravel(), np.empty(rho.size)
+    for start in range(0, rho.size, GATE_CHUNK):  # nodes^2 values per point: kept in cache
+        part = slice(start, start + GATE_CHUNK)
+        m_P[part] = _gauss_hermite_gate(rho_P[part], a_P[part], z_K, w_K)
+    return m_P.reshape(rho.shape)
+
+
+def _gauss_hermite_gate(rho_P: np.ndarray, a_P: np.ndarray, z_K: np.ndarray,
+                        w_K: np.ndarray) -> np.ndarray:
+    """``gate_kernel`` at the points (rho, a) of ``rho_P``, ``a_P`` on the nodes ``z_K`` with
+    weights ``w_K``."""
+    rho_Px1x1, a_Px1x1 = rho_P[:, None, None], a_P[:, None, None]
     z1, z2 = z_K[:, None], z_K[None, :]
-    u2 = rho4 * z1 + np.sqrt(np.clip(1.0 - rho4**2, 0.0, None)) * z2
-    integrand = _silu(a4 * z1) * _silu(a4 * u2)
-    return np.einsum("...ij,i,j->...", integrand, w_K, w_K)
+    u2_PxKxK = rho_Px1x1 * z1 + np.sqrt(np.clip(1.0 - rho_Px1x1**2, 0.0, None)) * z2
+    integrand_PxKxK = _silu(a_Px1x1 * z1) * _silu(a_Px1x1 * u2_PxKxK)
+    return np.einsum("pij,i,j->p", integrand_PxKxK, w_K, w_K)
 
 
 @functools.lru_cache(maxsize=16)

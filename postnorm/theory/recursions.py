@@ -17,18 +17,42 @@ from postnorm.theory.closed_forms import (
 )
 
 Gram = np.ndarray
+LONG_ROW = 1024  # elements in a row from which ``_running_sum`` adds row by row
 
 
 def prefix_average(x_NxK: np.ndarray) -> np.ndarray:
     """P X: row i becomes the mean of rows 1..i."""
     counts = np.arange(1, x_NxK.shape[0] + 1, dtype=np.float64)
-    return np.cumsum(x_NxK, axis=0) / counts.reshape((-1,) + (1,) * (x_NxK.ndim - 1))
+    out = _running_sum(x_NxK)
+    out /= counts.reshape((-1,) + (1,) * (x_NxK.ndim - 1))
+    return out
 
 
-def correlation(g_NxN: np.ndarray) -> np.ndarray:
-    """corr(G) = D^-1/2 G D^-1/2: the Gram of the RMS-normalised rows (exact per-row RMSNorm)."""
-    inv_sqrt_N = 1.0 / np.sqrt(np.diag(g_NxN))
-    return g_NxN * inv_sqrt_N[:, None] * inv_sqrt_N[None, :]
+def _running_sum(x_NxK: np.ndarray) -> np.ndarray:
+    """``np.cumsum(x, axis=0)``, the same sums in the same order. numpy strides down each
+    column in turn; on long rows laid out one after another (a recursion's n x n Gram) adding
+    row by row reads memory in order, several times faster."""
+    if x_NxK.ndim < 2 or not x_NxK.flags.c_contiguous or x_NxK[0].size < LONG_ROW:
+        return np.cumsum(x_NxK, axis=0)
+    out = np.empty_like(x_NxK)
+    out[0] = x_NxK[0]
+    for i in range(1, len(x_NxK)):
+        np.add(out[i - 1], x_NxK[i], out=out[i])
+    return out
+
+
+def _scaled(g_NxN: np.ndarray, d_N: np.ndarray, in_place: bool = False) -> np.ndarray:
+    """D G D with D = diag(``d_N``); into ``g_NxN`` itself where ``in_place`` (the recursion's
+    n x n temporaries are reused rather than allocated at every step)."""
+    out = np.multiply(g_NxN, d_N[:, None], out=g_NxN if in_place else None)
+    out *= d_N[None, :]
+    return out
+
+
+def correlation(g_NxN: np.ndarray, in_place: bool = False) -> np.ndarray:
+    """corr(G) = D^-1/2 G D^-1/2: the Gram of the RMS-normalised rows (exact per-row RMSNorm);
+    into ``g_NxN`` itself where ``in_place``."""
+    return _scaled(g_NxN, 1.0 / np.sqrt(np.diag(g_NxN)), in_place)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,17 +98,23 @@ class GramMaps:
         return correlation(g_NxN) if self.reads_normalized else g_NxN
 
     def branch_output(self, b_NxN: Gram) -> Gram:
-        """The branch's Gram after its output norm, if any."""
-        return correlation(b_NxN) if self.output_normalized else b_NxN
+        """The branch's Gram after its output norm, if any (into ``b_NxN`` itself: a branch's
+        Gram is a temporary of the recursion)."""
+        return correlation(b_NxN, in_place=True) if self.output_normalized else b_NxN
 
     def combine(self, g_NxN: Gram, b_NxN: Gram, skip_gain: float | None = None) -> Gram:
         """The Gram after the sublayer, from its input's G and the branch's Gram B (without a
         layer skip); ``skip_gain`` where given replaces the field (Admin's profiled omega)."""
         gain = self.skip_gain if skip_gain is None else skip_gain
-        y = gain**2 * g_NxN + b_NxN
+        return self.after_sum(summed(g_NxN, b_NxN, gain))
+
+    def after_sum(self, y_NxN: Gram) -> Gram:
+        """The Gram the sublayer returns from its sum's Gram y (through its norm, if any), into
+        ``y_NxN`` itself."""
         if self.post_mix is not None:
-            return _row_mix(y, 1 - self.post_mix, normalized_share=self.post_mix)
-        return correlation(y) if self.normalized_stream else y
+            return _row_mix(y_NxN, 1 - self.post_mix, normalized_share=self.post_mix,
+                            in_place=True)
+        return correlation(y_NxN, in_place=True) if self.normalized_stream else y_NxN
 
     def skip_path_gain(self, y_NxN: Gram, skip_gain: float | None = None) -> float:
         """The skip path's gain on the backward signal, from the sublayer's output to its input
@@ -99,11 +129,19 @@ class GramMaps:
         return gain * c if self.normalized_stream else gain
 
 
-def _row_mix(g_NxN: Gram, plain_share: float, normalized_share: float) -> Gram:
+def _row_mix(g_NxN: Gram, plain_share: float, normalized_share: float,
+             in_place: bool = False) -> Gram:
     """The Gram of the rows a X_i + b X_i / r_i (a = ``plain_share``, b = ``normalized_share``,
-    r_i the row's RMS): D G D with D_ii = a + b / r_i."""
-    d_N = plain_share + normalized_share / np.sqrt(np.diag(g_NxN))
-    return g_NxN * d_N[:, None] * d_N[None, :]
+    r_i the row's RMS): D G D with D_ii = a + b / r_i; into ``g_NxN`` itself where
+    ``in_place``."""
+    return _scaled(g_NxN, plain_share + normalized_share / np.sqrt(np.diag(g_NxN)), in_place)
+
+
+def summed(g_NxN: Gram, b_NxN: Gram, skip_gain: float) -> Gram:
+    """The Gram of the sum y = skip_gain X + F: skip_gain^2 G + B, in a new array."""
+    y = np.multiply(g_NxN, skip_gain**2)
+    y += b_NxN
+    return y
 
 
 POST_GRAM = GramMaps(reads_normalized=False, normalized_stream=True)
@@ -169,7 +207,9 @@ def attn_branch_gram(g_NxN: np.ndarray, s: float, maps: GramMaps) -> np.ndarray:
     """E over W_V, W_O of the attention branch's Gram with uniform attention P (Thm 3.2's Gram
     algebra): s P G_in P^T, with G_in the Gram the branch reads (G, or corr(G) behind a norm),
     then through the branch's output norm if any."""
-    return maps.branch_output(s * prefix_average(prefix_average(maps.branch_input(g_NxN)).T))
+    b_NxN = prefix_average(prefix_average(maps.branch_input(g_NxN)).T)
+    b_NxN *= s
+    return maps.branch_output(b_NxN)
 
 
 def ffn_branch_gram(g_NxN: np.ndarray, xi: float,
@@ -179,7 +219,10 @@ def ffn_branch_gram(g_NxN: np.ndarray, xi: float,
     arrangement (a norm's output, or a stream the attention sublayer left normalised), so C is
     the correlation of the stream whatever the arrangement."""
     c_NxN = correlation(g_NxN)
-    return xi * c_NxN * kernel(c_NxN)
+    m_NxN = kernel(c_NxN)
+    c_NxN *= xi
+    c_NxN *= m_NxN
+    return c_NxN
 
 
 def mean_field_ffn_step(g_NxN: np.ndarray, xi: float, kernel: Callable[[np.ndarray], np.ndarray],
@@ -218,13 +261,12 @@ def summed_step(g_NxN: Gram, b_NxN: Gram, maps: GramMaps, omega_sq: float
     unchanged), the sublayer's skip-path gain (``GramMaps.skip_path_gain``) and its sum's
     ``mean_contraction``."""
     gain = float(np.sqrt(omega_sq)) if maps.profiled_skip else maps.skip_gain
-    y = gain**2 * g_NxN + b_NxN
+    y = summed(g_NxN, b_NxN, gain)
     skip, c_mean = maps.skip_path_gain(y, gain), mean_contraction(y)
-    if not maps.profiled_skip:
-        return maps.combine(g_NxN, b_NxN), omega_sq, skip, c_mean
-    n = len(g_NxN)
-    return (maps.combine(g_NxN, b_NxN, gain),
-            omega_sq * float(np.trace(g_NxN)) / n + float(np.trace(b_NxN)) / n, skip, c_mean)
+    if maps.profiled_skip:
+        n = len(g_NxN)
+        omega_sq = omega_sq * float(np.trace(g_NxN)) / n + float(np.trace(b_NxN)) / n
+    return maps.after_sum(y), omega_sq, skip, c_mean
 
 
 @dataclasses.dataclass(frozen=True)

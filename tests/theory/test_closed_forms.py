@@ -37,6 +37,8 @@ def test_prefix_averaging_facts_and_tsim():
     np.testing.assert_allclose(p_NxN, np.tril(np.ones((n, n))) / np.arange(1, n + 1)[:, None])
     np.testing.assert_allclose(np.sum(p_NxN.sum(0) ** 2), 2 * n - theory.harmonic(n))
     np.testing.assert_allclose(np.trace(p_NxN @ p_NxN.T), theory.harmonic(n))
+    wide_NxK = np.random.default_rng(2).normal(size=(n, 1500))  # rows summed one by one
+    np.testing.assert_allclose(theory.prefix_average(wide_NxK), p_NxN @ wide_NxK, atol=1e-14)
     x = np.random.default_rng(0).normal(size=(3, n, 5)) + 0.7
     np.testing.assert_allclose(theory.tsim_of_gram(x @ x.transpose(0, 2, 1)), theory.tsim(x))
     x_ec = monte_carlo.ec_input(np.random.default_rng(1), n, 64, 0.3)
@@ -284,9 +286,12 @@ def mehler_gate_kernel(rho: np.ndarray, a: float, terms: int = 40) -> np.ndarray
 def test_gate_kernel_against_its_mehler_series(a):
     """To 1e-10, far below Monte Carlo's 1e-3 and beyond what the odd-part identity sees (it
     holds for any quadrature order and any variance of the second gate input)."""
-    rho = np.array([-0.8, 0.0, 0.5, 0.9])
+    rho = np.linspace(-0.8, 0.9, 37)  # over several of the quadrature's chunks of points
     np.testing.assert_allclose(theory.gate_kernel(rho, a), mehler_gate_kernel(rho, a), rtol=0,
                                atol=1e-10)
+    rho_2x37 = np.stack([rho, rho[::-1]])  # any shape, broadcast against a
+    np.testing.assert_allclose(theory.gate_kernel(rho_2x37, np.full((2, 1), a)),
+                               mehler_gate_kernel(rho_2x37, a), rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("init", INIT_SCHEMES)
