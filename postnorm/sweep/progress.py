@@ -2,39 +2,47 @@
 its finished runs (their training and, where the record keeps it, their measuring)."""
 
 import dataclasses
+import functools
+import json
+from collections.abc import Callable, Hashable
 
 import ml_collections
 import numpy as np
 
+from postnorm.data.tokenizers import ByteTokenizer
+from postnorm.model import ModelSpec
+from postnorm.model.flops import train_flops_per_token
+
 
 @dataclasses.dataclass(frozen=True)
 class RunShape:
-    """What a run's time depends on: its steps, its model's depth and widths, and the tokens
-    of a step."""
+    """What a run's time depends on: its steps and the FLOPs of one (``postnorm.model.flops``)."""
 
-    layers: int
     steps: int
-    d_model: int
-    d_ff: int
-    seq_len: int
-    batch_size: int
-    vocab_size: int
+    step_flops: float
 
     @classmethod
     def of(cls, config: ml_collections.ConfigDict) -> "RunShape":
-        return cls(config.model.n_layers, config.train.steps, config.model.d_model,
-                   config.model.d_ff, config.data.seq_len, config.data.batch_size,
-                   config.data.vocab_size)
+        """The shape of ``config``'s run; the vocabulary is the byte tokenizer's or
+        ``data.vocab_size``."""
+        byte = config.data.tokenizer == "byte"
+        vocab = ByteTokenizer.vocab_size if byte else config.data.vocab_size
+        model = json.dumps(config.model.to_dict(), sort_keys=True)
+        return cls(steps=config.train.steps,
+                   step_flops=_step_flops(model, vocab, config.data.seq_len,
+                                          config.data.batch_size))
 
     @property
     def flops(self) -> float:
-        """The run's training FLOPs: 6 per token for each weight of a matmul (attention's four
-        d x d maps, the SwiGLU's three d x d_ff, the d x vocab output) and 6 n d per token
-        and layer for causal attention's scores and mixing (n = ``seq_len``)."""
-        d = self.d_model
-        per_layer = 4 * d * d + 3 * d * self.d_ff + self.seq_len * d
-        per_token = 6 * (self.layers * per_layer + self.vocab_size * d)
-        return float(self.steps * self.batch_size * self.seq_len * per_token)
+        return self.steps * self.step_flops
+
+
+@functools.lru_cache(maxsize=256)
+def _step_flops(model_json: str, vocab_size: int, seq_len: int, batch_size: int) -> float:
+    """The training FLOPs of one step of a model (its config section as JSON)."""
+    model = json.loads(model_json) | {"attention": "einsum"}  # every kernel computes the same
+    spec = ModelSpec.from_config(model, vocab_size=vocab_size, max_len=seq_len)
+    return float(batch_size * seq_len * train_flops_per_token(spec, seq_len))
 
 
 def run_times(record: dict) -> tuple[float | None, float | None]:
@@ -51,12 +59,13 @@ class SweepProgress:
     """A plan's runs as they end, and an ETA for the rest.
 
     A run left is estimated at the mean training time of the finished runs of its shape
-    (``RunShape``), plus the mean measuring time of those whose record keeps one. A shape none
-    has finished (or timed) is scaled from the timed shapes most like it, by their mean time per
-    FLOP (``RunShape.flops``): those that differ from it in steps alone if any (time per step
-    is then exact), else all of them. A running run counts half its estimate (its start is not
-    observed). The ETA is the sum spread over the workers, and at least the longest single
-    run's estimate.
+    (``RunShape``); a shape none has finished (or timed) at the mean time per FLOP of the timed
+    shapes with its FLOPs per step if any, else of all of them, times its FLOPs. To that it
+    adds the mean measuring time of the runs whose record keeps one with its FLOPs per step, or
+    their mean time per FLOP of a step times its own (measuring reads the checkpoint and a
+    fixed set of batches, whatever the steps). A running run counts half its estimate (its
+    start is not observed). The ETA is the sum spread over the workers, and at least the
+    longest single run's estimate.
     """
 
     def __init__(self, total: int, workers: int, measured: bool = True) -> None:
@@ -65,7 +74,7 @@ class SweepProgress:
         self.total, self.workers, self.measured = total, workers, measured
         self.finished = self.failed = 0
         self._train: dict[RunShape, list[float]] = {}
-        self._measure: dict[RunShape, list[float]] = {}
+        self._measure: dict[float, list[float]] = {}  # by FLOPs per step
 
     def add_finished(self, shape: RunShape, train_s: float | None,
                      measure_s: float | None) -> None:
@@ -74,7 +83,7 @@ class SweepProgress:
         if train_s:
             self._train.setdefault(shape, []).append(train_s)
         if measure_s:
-            self._measure.setdefault(shape, []).append(measure_s)
+            self._measure.setdefault(shape.step_flops, []).append(measure_s)
 
     def add_failed(self) -> None:
         """Count a run that ended on an error (it is not finished; a rerun trains it again)."""
@@ -82,10 +91,11 @@ class SweepProgress:
 
     def run_estimate(self, shape: RunShape) -> float | None:
         """The estimated seconds of a run of ``shape``; None before any run is timed."""
-        train = _by_shape(self._train, shape)
+        same_step = {s: t for s, t in self._train.items() if s.step_flops == shape.step_flops}
+        train = _scaled_mean(same_step or self._train, shape, lambda s: s.flops)
         if train is None:
             return None
-        return train + (_by_shape(self._measure, shape) or 0.0)
+        return train + (_scaled_mean(self._measure, shape.step_flops, float) or 0.0)
 
     def line(self, left: list[RunShape], running: int | None = None) -> str:
         """``"150 of 247 runs finished, 2 running, 95 left; ETA 1 h 52 min with 2 worker(s)"``:
@@ -135,14 +145,12 @@ def duration(seconds: float) -> str:
     return f"{seconds} s"
 
 
-def _by_shape(times: dict[RunShape, list[float]], shape: RunShape) -> float | None:
-    """The mean of ``times[shape]``, else the mean time per FLOP of the timed shapes most like
-    ``shape`` (``SweepProgress``) times its FLOPs; None when nothing is timed."""
-    if shape in times:
-        return float(np.mean(times[shape]))
-    steps_apart = {s: t for s, t in times.items()
-                   if dataclasses.replace(s, steps=shape.steps) == shape}
-    like = steps_apart or times
-    if not like:
+def _scaled_mean(times: dict[Hashable, list[float]], key: Hashable,
+                 cost: Callable[[Hashable], float]) -> float | None:
+    """The mean of ``times[key]``, else the mean over the keys timed of their mean time per
+    unit of ``cost``, times the cost of ``key``; None when nothing is timed."""
+    if key in times:
+        return float(np.mean(times[key]))
+    if not times:
         return None
-    return float(np.mean([np.mean(t) / s.flops for s, t in like.items()])) * shape.flops
+    return float(np.mean([np.mean(t) / cost(k) for k, t in times.items()])) * cost(key)

@@ -1,20 +1,19 @@
 """A sweep's progress (postnorm.sweep.progress): the ETA from the measured training and measuring
-times, by run shape or scaled by FLOPs, worked by hand, and the FLOPs counted on the real model's
-weights; a sweep logs it as each run ends, with the measuring time its archive records; the
-pinned workers report each job that returns."""
+times, by run shape or scaled by FLOPs, worked by hand, and a run's FLOPs from the model's; a
+sweep logs it as each run ends, with the measuring time its archive records; the pinned
+workers report each job that returns."""
 
 import os
 import re
 import time
 
-import jax
 import ml_collections
-import numpy as np
 import pytest
 from absl import logging
 
+from postnorm.config.schema import base_config
 from postnorm.model import ModelSpec
-from postnorm.model.decoder import abstract_params
+from postnorm.model.flops import train_flops_per_token
 from postnorm.sweep import archive as sweep_archive
 from postnorm.sweep import plan as sweep
 from postnorm.sweep import record as run_record
@@ -31,23 +30,32 @@ from postnorm.sweep.workers import run_pinned
 from tests.sweep.test_plan import STABILITY, RecordingTrainer
 
 
+def config(layers: int, steps: int = 300, d_model: int = 64,
+           tokenizer: str = "sentencepiece") -> ml_collections.ConfigDict:
+    cfg = base_config()
+    cfg.model.n_layers, cfg.model.d_model, cfg.model.d_ff = layers, d_model, 3 * d_model
+    cfg.train.steps, cfg.data.tokenizer = steps, tokenizer
+    return cfg
+
+
 def shape(layers: int, steps: int = 300, d_model: int = 64) -> RunShape:
-    return RunShape(layers=layers, steps=steps, d_model=d_model, d_ff=3 * d_model, seq_len=128,
-                    batch_size=16, vocab_size=8192)
+    return RunShape.of(config(layers, steps, d_model))
 
 
-def test_the_flops_are_six_per_matmul_weight_and_token_plus_causal_attention():
-    run = shape(3, steps=5, d_model=16)
-    spec = ModelSpec(vocab_size=run.vocab_size, max_len=run.seq_len, n_layers=run.layers,
-                     d_model=run.d_model, n_heads=2, d_ff=run.d_ff)
-    matmul_weights = sum(leaf.size for path, leaf in
-                         jax.tree_util.tree_leaves_with_path(abstract_params(spec))
-                         if leaf.ndim == 3 or "lm_head" in jax.tree_util.keystr(path))
-    tokens = run.steps * run.batch_size * run.seq_len
-    # causal attention: each token's query meets (n + 1) / 2 keys on average, 2 d FLOPs for its
-    # score and 2 d for its share of the mix, forward; the backward pass twice that
-    attention = 3 * 4 * run.d_model * np.mean(np.arange(1, run.seq_len + 1)) * run.layers
-    assert run.flops == pytest.approx(tokens * (6 * matmul_weights + attention), rel=1e-3)
+@pytest.mark.parametrize("tokenizer", ["sentencepiece", "byte"])
+def test_a_runs_flops_are_its_steps_tokens_and_the_models_flops_per_token(tokenizer):
+    cfg = config(12, steps=7, d_model=32, tokenizer=tokenizer)
+    vocab = 257 if tokenizer == "byte" else cfg.data.vocab_size
+    spec = ModelSpec.from_config(cfg.model.to_dict() | {"attention": "einsum"},
+                                 vocab_size=vocab, max_len=cfg.data.seq_len)
+    tokens = 7 * cfg.data.batch_size * cfg.data.seq_len
+    assert RunShape.of(cfg).flops == tokens * train_flops_per_token(spec, cfg.data.seq_len)
+    # the architecture does not change the count; the steps, depth and width do
+    same = config(12, steps=7, d_model=32, tokenizer=tokenizer)
+    same.model.norm = "pre"
+    assert RunShape.of(same) == RunShape.of(cfg)
+    assert len({RunShape.of(cfg), shape(12), shape(24), shape(12, steps=3000),
+                shape(12, d_model=128)}) == 5
 
 
 def test_the_eta_takes_each_shapes_times_or_scales_them_by_flops():
@@ -57,21 +65,25 @@ def test_the_eta_takes_each_shapes_times_or_scales_them_by_flops():
     progress.add_finished(shape(12), 120.0, None)  # measured before measuring was timed
     progress.add_finished(shape(48), 400.0, None)
     progress.add_finished(shape(48), None, None)  # stopped by a non-finite step: no time
-    # 12 layers: 110 s of training + 30 s of measuring; 48: 400 + 30 s scaled by the FLOPs
+    step_flops = {n: shape(n).flops / 300 for n in (12, 24, 48)}
+
+    def measure(step: float) -> float:  # 30 s at 12 layers, scaled by the FLOPs of a step
+        return 30 * step / step_flops[12]
+
     assert progress.run_estimate(shape(12)) == pytest.approx(140.0)
-    measure_48 = 30 * shape(48).flops / shape(12).flops
-    assert progress.run_estimate(shape(48)) == pytest.approx(400 + measure_48)
-    # 24 layers: the mean time per FLOP of the two depths timed, times its FLOPs
+    assert progress.run_estimate(shape(48)) == pytest.approx(400 + measure(step_flops[48]))
+    # 24 layers: the mean time per FLOP of the two shapes timed, times its FLOPs
     per_flop = (110 / shape(12).flops + 400 / shape(48).flops) / 2
-    measure_24 = 30 * shape(24).flops / shape(12).flops
-    assert progress.run_estimate(shape(24)) == pytest.approx(per_flop * shape(24).flops
-                                                             + measure_24)
-    # 10x the steps at 48 layers: 10x the time, from the 48-layer runs alone
-    assert progress.run_estimate(shape(48, steps=3000)) == pytest.approx(10 * (400 + measure_48))
+    assert progress.run_estimate(shape(24)) == pytest.approx(
+        per_flop * shape(24).flops + measure(step_flops[24]))
+    # 10x the steps at 48 layers: 10x the training, from the 48-layer runs alone; the same
+    # measuring
+    assert progress.run_estimate(shape(48, steps=3000)) == pytest.approx(
+        4000 + measure(step_flops[48]))
     # twice the width: scaled by the FLOPs from every shape timed
     wide = shape(48, d_model=128)
-    assert progress.run_estimate(wide) == pytest.approx(per_flop * wide.flops
-                                                        + 30 * wide.flops / shape(12).flops)
+    assert progress.run_estimate(wide) == pytest.approx(
+        per_flop * wide.flops + measure(wide.step_flops))
     # one 48-layer run running (half its estimate), a 24- and a 12-layer run waiting
     estimates = [progress.run_estimate(shape(n)) for n in (48, 24, 12)]
     eta = (0.5 * estimates[0] + estimates[1] + estimates[2]) / 2
@@ -104,11 +116,7 @@ def test_an_eta_without_measuring_times_says_it_counts_training_only():
 
 
 def test_a_plans_line_counts_the_archives_measuring_times():
-    configs = [ml_collections.ConfigDict({"model": {"n_layers": n, "d_model": 64, "d_ff": 192},
-                                          "train": {"steps": 300},
-                                          "data": {"seq_len": 128, "batch_size": 16,
-                                                   "vocab_size": 8192}})
-               for n in (24, 24, 48, 24)]
+    configs = [config(n) for n in (24, 24, 48, 24)]
     rows = [{"status": "done", "wall_s": 100.0}, {"status": "done", "wall_s": 140.0},
             {"status": "nonfinite", "wall_s": 5.0}, {"status": "missing"}]
     archived = [{"measure_s": 60.0}, None, {"measure_s": None}, None]
@@ -155,6 +163,23 @@ def test_a_sweep_logs_its_progress_as_each_run_ends_with_the_measuring_time(
     assert sorted(fed) == sorted((RunShape.of(c), records[s.run_id]["result"]["wall_s"],
                                   records[s.run_id]["measure_s"])
                                  for s, c in zip(specs, configs, strict=True))
+
+
+def test_the_workers_take_the_runs_with_the_most_flops_first(tmp_path, monkeypatch):
+    base, specs = sweep.plan_file(STABILITY)
+    sizes = [(12, 300, 64), (48, 300, 64), (24, 3000, 64), (48, 300, 128)]
+    specs = specs[:len(sizes)]
+    configs = [sweep.build_config(base, spec, {
+        "model.n_layers": str(n), "train.steps": str(steps), "model.d_model": str(d),
+        "model.d_ff": str(3 * d)}) for spec, (n, steps, d) in zip(specs, sizes, strict=True)]
+    taken = []
+    monkeypatch.setattr(sweep_runner, "load_data", lambda *args, **kwargs: None)
+    monkeypatch.setattr(sweep_runner, "run_pinned",
+                        lambda fn, jobs, workers, ended: taken.extend(j[0] for j in jobs))
+    sweep_runner.run_sweep(specs, configs, [str(tmp_path / s.run_id) for s in specs], workers=2)
+    # 24 layers x 3,000 steps, 48 layers at twice the width, then 48 and 12 at d = 64
+    assert [(c.model.n_layers, c.train.steps, c.model.d_model) for c in taken] == [
+        sizes[2], sizes[3], sizes[1], sizes[0]]
 
 
 def square(x: int) -> int:
