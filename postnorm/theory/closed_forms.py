@@ -21,7 +21,7 @@ import numpy as np
 ArrayLike = float | np.ndarray
 GATE_NODES = 80  # Gauss-Hermite nodes per axis of the gate kernel; converged to ~1e-12
 KERNEL_GRID = 4097  # rho grid of the tabulated gate kernel used on Gram matrices
-GATE_CHUNK = 16  # points of the gate kernel computed at once (16 x nodes^2 values)
+GATE_CHUNK = 16  # points of the gate kernel computed at once (nodes^2 values each)
 S_READINGS = ("vo", "v_only")
 INIT_SCHEMES = ("torch_default", "normal_0.02", "lecun_normal", "xavier", "xavier_normal")
 
@@ -124,7 +124,7 @@ def gate_kernel(rho: ArrayLike, a: ArrayLike, nodes: int = GATE_NODES) -> np.nda
     for start in range(0, rho.size, GATE_CHUNK):  # nodes^2 values per point: kept in cache
         part = slice(start, start + GATE_CHUNK)
         m_P[part] = _gauss_hermite_gate(rho_P[part], a_P[part], z_K, w_K)
-    return m_P.reshape(rho.shape)
+    return m_P.reshape(rho.shape)[()]  # a scalar for scalar arguments
 
 
 def _gauss_hermite_gate(rho_P: np.ndarray, a_P: np.ndarray, z_K: np.ndarray,

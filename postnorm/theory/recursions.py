@@ -1,6 +1,7 @@
 """Depth recursions (docs/MATH.md §3): the scalar EC closure and the mean-field Gram recursion."""
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -22,8 +23,9 @@ LONG_ROW = 1024  # elements in a row from which ``_running_sum`` adds row by row
 
 def prefix_average(x_NxK: np.ndarray) -> np.ndarray:
     """P X: row i becomes the mean of rows 1..i."""
+    x_NxK = np.asarray(x_NxK)
     counts = np.arange(1, x_NxK.shape[0] + 1, dtype=np.float64)
-    out = _running_sum(x_NxK)
+    out = _running_sum(x_NxK).astype(np.float64, copy=False)
     out /= counts.reshape((-1,) + (1,) * (x_NxK.ndim - 1))
     return out
 
@@ -32,7 +34,8 @@ def _running_sum(x_NxK: np.ndarray) -> np.ndarray:
     """``np.cumsum(x, axis=0)``, the same sums in the same order. numpy strides down each
     column in turn; on long rows laid out one after another (a recursion's n x n Gram) adding
     row by row reads memory in order, several times faster."""
-    if x_NxK.ndim < 2 or not x_NxK.flags.c_contiguous or x_NxK[0].size < LONG_ROW:
+    if (x_NxK.ndim < 2 or len(x_NxK) == 0 or not x_NxK.flags.c_contiguous
+            or math.prod(x_NxK.shape[1:]) < LONG_ROW):
         return np.cumsum(x_NxK, axis=0)
     out = np.empty_like(x_NxK)
     out[0] = x_NxK[0]
@@ -139,9 +142,9 @@ def _row_mix(g_NxN: Gram, plain_share: float, normalized_share: float,
 
 def summed(g_NxN: Gram, b_NxN: Gram, skip_gain: float) -> Gram:
     """The Gram of the sum y = skip_gain X + F: skip_gain^2 G + B, in a new array."""
-    y = np.multiply(g_NxN, skip_gain**2)
-    y += b_NxN
-    return y
+    y_NxN = np.multiply(g_NxN, skip_gain**2)
+    y_NxN += b_NxN
+    return y_NxN
 
 
 POST_GRAM = GramMaps(reads_normalized=False, normalized_stream=True)
@@ -219,10 +222,9 @@ def ffn_branch_gram(g_NxN: np.ndarray, xi: float,
     arrangement (a norm's output, or a stream the attention sublayer left normalised), so C is
     the correlation of the stream whatever the arrangement."""
     c_NxN = correlation(g_NxN)
-    m_NxN = kernel(c_NxN)
-    c_NxN *= xi
-    c_NxN *= m_NxN
-    return c_NxN
+    b_NxN = c_NxN * xi
+    b_NxN *= kernel(c_NxN)
+    return b_NxN
 
 
 def mean_field_ffn_step(g_NxN: np.ndarray, xi: float, kernel: Callable[[np.ndarray], np.ndarray],
@@ -261,12 +263,12 @@ def summed_step(g_NxN: Gram, b_NxN: Gram, maps: GramMaps, omega_sq: float
     unchanged), the sublayer's skip-path gain (``GramMaps.skip_path_gain``) and its sum's
     ``mean_contraction``."""
     gain = float(np.sqrt(omega_sq)) if maps.profiled_skip else maps.skip_gain
-    y = summed(g_NxN, b_NxN, gain)
-    skip, c_mean = maps.skip_path_gain(y, gain), mean_contraction(y)
+    y_NxN = summed(g_NxN, b_NxN, gain)
+    skip, c_mean = maps.skip_path_gain(y_NxN, gain), mean_contraction(y_NxN)
     if maps.profiled_skip:
         n = len(g_NxN)
         omega_sq = omega_sq * float(np.trace(g_NxN)) / n + float(np.trace(b_NxN)) / n
-    return maps.after_sum(y), omega_sq, skip, c_mean
+    return maps.after_sum(y_NxN), omega_sq, skip, c_mean
 
 
 @dataclasses.dataclass(frozen=True)

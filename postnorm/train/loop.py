@@ -65,9 +65,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        on_ready: Callable[[], None] | None = None) -> dict[str, float]:
     """Train ``config`` in ``workdir`` (resuming if possible); returns the final metrics.
 
-    ``on_ready`` runs on process 0 once the config, workdir and data have passed their checks,
-    before the first step compiles (``main.py`` logs the step-0 forecast there, so bad input
-    is refused without waiting for it).
+    ``on_ready`` (no collective) runs on process 0 once the config, workdir, data and any
+    checkpoint have passed their checks, before the first training step (``main.py`` logs the
+    step-0 forecast there, so bad input is refused without waiting for it).
 
     Raises ``Preempted`` after checkpointing on SIGTERM, and ``NonFiniteError`` when a
     non-finite step stops the run (policy ``abort``, or ``rollback`` out of rollbacks).
@@ -117,9 +117,10 @@ def _train_holding_the_lock(config: ml_collections.ConfigDict, workdir: str,
     try:
         exp = build_experiment(config, lambda data: _check_resumed_data(workdir, config, data),
                                workdir=workdir)
-        if on_ready is not None and jax.process_index() == 0:
-            on_ready()
         state, start, data_iter = _restore_or_init(exp, ckpt)
+        if on_ready is not None:
+            stop_together(lambda: on_ready() if jax.process_index() == 0 else None,
+                          unusable_elsewhere)
         stop_together(lambda: _record_run(workdir, exp.config, exp.data.info, start)
                       if jax.process_index() == 0 else None, unusable_elsewhere)
         _keep_actions_in_effect(workdir, state)

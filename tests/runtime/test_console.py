@@ -114,10 +114,12 @@ def test_orbax_lines_only_at_log_level_info_and_the_summary_last(tmp_path, tmp_p
     assert not any(line.startswith("| layers/") for line in quiet)  # clu's parameter table
     for progress in ("] step 8/8 | loss ", "] eval at step 8: loss "):  # the project's own
         assert any(progress in line for line in quiet), progress
-    for console in (quiet, loud):  # the step-0 forecast, once, before the first step
+    for console in (quiet, loud):  # the step-0 forecast, once, after the checks, before step 1
         (forecast,) = [i for i, line in enumerate(console) if "] collapse forecast" in line]
+        checked = next(i for i, line in enumerate(console) if "starting from step 0" in line)
         first_step = next(i for i, line in enumerate(console) if "] step " in line)
-        assert forecast < first_step and "p_collapse" in console[forecast], console[forecast]
+        assert checked < forecast < first_step, console[forecast]
+        assert "p_collapse" in console[forecast], console[forecast]
     logged_from = {m[2] for line in third_party_info(loud) if (m := ABSL_LINE.match(line))}
     assert set(ORBAX_FILES) <= logged_from, sorted(logged_from)
     assert any(line.startswith("| layers/") for line in loud)

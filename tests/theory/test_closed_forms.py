@@ -16,7 +16,7 @@ from postnorm.model import PLACEMENTS, Decoder, ModelSpec
 from postnorm.model.initializers import embedding_init
 from postnorm.model.layers import CausalSelfAttention, RMSNorm, SwiGLU
 from postnorm.model.placements import init_gains
-from postnorm.theory import INIT_SCHEMES
+from postnorm.theory import INIT_SCHEMES, recursions
 from tests import numpy_reference as ref
 
 Z = 4.0  # tolerance in Monte Carlo standard errors
@@ -37,8 +37,24 @@ def test_prefix_averaging_facts_and_tsim():
     np.testing.assert_allclose(p_NxN, np.tril(np.ones((n, n))) / np.arange(1, n + 1)[:, None])
     np.testing.assert_allclose(np.sum(p_NxN.sum(0) ** 2), 2 * n - theory.harmonic(n))
     np.testing.assert_allclose(np.trace(p_NxN @ p_NxN.T), theory.harmonic(n))
-    wide_NxK = np.random.default_rng(2).normal(size=(n, 1500))  # rows summed one by one
+    # rows as long as a recursion's n x n Gram are summed one by one: numpy's sums all the same
+    wide_NxK = np.random.default_rng(2).normal(size=(n, recursions.LONG_ROW))
     np.testing.assert_allclose(theory.prefix_average(wide_NxK), p_NxN @ wide_NxK, atol=1e-14)
+    np.testing.assert_array_equal(theory.prefix_average(wide_NxK),
+                                  np.cumsum(wide_NxK, 0) / np.arange(1, n + 1)[:, None])
+
+
+@pytest.mark.parametrize("norm", sorted(PLACEMENTS))
+def test_the_recursion_leaves_its_input_gram_as_it_was(norm):
+    n = 24
+    spec = ModelSpec(vocab_size=2, max_len=n, n_layers=4, d_model=32, n_heads=2, d_ff=96,
+                     norm=norm)
+    amt = theory.amounts(32, 96, spec.init).with_gains(init_gains(spec))
+    g0_NxN = monte_carlo.ec_input(np.random.default_rng(3), n, 32, 0.3)
+    g0_NxN = g0_NxN @ g0_NxN.T / 32
+    kept = g0_NxN.copy()
+    theory.mean_field_recursion(g0_NxN, 4, amt, PLACEMENTS[norm].gram_maps(spec))
+    np.testing.assert_array_equal(g0_NxN, kept)
     x = np.random.default_rng(0).normal(size=(3, n, 5)) + 0.7
     np.testing.assert_allclose(theory.tsim_of_gram(x @ x.transpose(0, 2, 1)), theory.tsim(x))
     x_ec = monte_carlo.ec_input(np.random.default_rng(1), n, 64, 0.3)
@@ -289,6 +305,7 @@ def test_gate_kernel_against_its_mehler_series(a):
     rho = np.linspace(-0.8, 0.9, 37)  # over several of the quadrature's chunks of points
     np.testing.assert_allclose(theory.gate_kernel(rho, a), mehler_gate_kernel(rho, a), rtol=0,
                                atol=1e-10)
+    assert isinstance(theory.gate_kernel(0.5, a), np.float64)  # a scalar for scalars
     rho_2x37 = np.stack([rho, rho[::-1]])  # any shape, broadcast against a
     np.testing.assert_allclose(theory.gate_kernel(rho_2x37, np.full((2, 1), a)),
                                mehler_gate_kernel(rho_2x37, a), rtol=0, atol=1e-10)
