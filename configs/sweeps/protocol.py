@@ -150,7 +150,7 @@ def method_label(config: dict) -> str:
     return config["model"]["norm"]
 
 
-def _method(method: str) -> dict[str, object]:
+def method_overrides(method: str) -> dict[str, object]:
     """The method's fields, every other method field at its default but the protocol's."""
     defaults = {k: v for k, v in METHOD_FIELDS.items() if k not in PROTOCOL_FIELDS}
     return {**defaults, **ALL_METHODS[method]}
@@ -192,8 +192,8 @@ def _long_run(method: str, lr: float, seed: int, steps: int = LONG_STEPS,
     """A 48-layer run of ``method``: Post-Norm warms up over ``LONG_WARMUP_FRACTION`` of
     its steps, every other method over ``WARMUP_FRACTION``."""
     warmup = LONG_WARMUP_FRACTION if method == "post" else WARMUP_FRACTION
-    return {**protocol(steps, warmup), **_method(method), "model.n_layers": 48, "opt.lr": lr,
-            "seed": seed, **extra}
+    return {**protocol(steps, warmup), **method_overrides(method), "model.n_layers": 48,
+            "opt.lr": lr, "seed": seed, **extra}
 
 
 def _bracket_run(method: str, lr: float, clip: float = CLIP,
