@@ -2,7 +2,7 @@
 depth out, beside two baselines; and the monitor's lead time against the onset step.
 
     python -m experiments.forecast_validation
-        [--archive results/leaderboard/runs,results/protocol/runs]
+        [--archive results/leaderboard/runs,results/protocol/runs,results/forecast_blind/runs]
         [--out_dir results/figures/forecast]
         [--frozen results/figures/forecast/frozen_model.json] [--freeze]
 
@@ -33,7 +33,13 @@ from absl import app, flags
 from configs.sweeps import protocol
 from postnorm.analysis import forecast as fc
 from postnorm.analysis.figures import save_figure
-from postnorm.analysis.forecast_frozen import blind_test, check_unfrozen, freeze, read_frozen
+from postnorm.analysis.forecast_frozen import (
+    BOOTSTRAP_REPS,
+    blind_test,
+    check_unfrozen,
+    freeze,
+    read_frozen,
+)
 from postnorm.analysis.tables import cell, markdown_table
 from postnorm.analysis.warning_replay import intervals_between
 from postnorm.diagnostics.early_warning import DEFAULT_RULE
@@ -44,7 +50,8 @@ from postnorm.sweep.archive import read_archive
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-flags.DEFINE_list("archive", ["results/leaderboard/runs", "results/protocol/runs"],
+flags.DEFINE_list("archive", ["results/leaderboard/runs", "results/protocol/runs",
+                             "results/forecast_blind/runs"],
                   "Sweep archives whose runs are read.")
 flags.DEFINE_string("out_dir", "results/figures/forecast", "Directory for the outputs.")
 flags.DEFINE_string("frozen", "results/figures/forecast/frozen_model.json",
@@ -94,12 +101,15 @@ def archived_rows(archives: list[str]) -> tuple[list[dict], list[str]]:
 
 
 def archive_counts(rows: list[dict], archives: list[str]) -> dict[str, dict]:
-    """Per archive: its runs read, collapsed, at the floor (by which loss) and monitored."""
+    """Per archive: its runs read, collapsed, at the floor (by which loss) and monitored, and
+    its records stopped on a non-finite step (no verdict)."""
     counts = {}
     for directory in archives:
         mine = [r for r in rows if r["archive"] == directory]
         counts[directory] = {
             "runs": len(mine), "collapsed": sum(r["collapsed"] for r in mine),
+            "nonfinite": sum(e["result"].get("status") == "nonfinite"
+                             for e in read_archive(directory)),
             "at_the_floor": sum(r["floor"] for r in mine),
             "floor_from_fresh_batches": sum(r["floor_loss"] == "fresh" for r in mine),
             "floor_from_held_out_loss": sum(r["floor_loss"] == "eval" for r in mine),
@@ -263,10 +273,10 @@ def markdown(report: dict, models: dict) -> str:
              "method, or its depth, was not in the fit).", ""]
     lines += markdown_table(
         ["archive", "runs", "collapsed", "at the floor", "floor from fresh batches / held-out "
-         "loss", "with the monitor's replay"],
+         "loss", "with the monitor's replay", "stopped non-finite (no verdict, not read)"],
         [[f"`{a}`", str(c["runs"]), str(c["collapsed"]), str(c["at_the_floor"]),
           f"{c['floor_from_fresh_batches']} / {c['floor_from_held_out_loss']}",
-          str(c["monitored"])] for a, c in report["archives"].items()])
+          str(c["monitored"]), str(c["nonfinite"])] for a, c in report["archives"].items()])
     lines += ["",
              "Each logistic forecast is fitted by the same procedure inside each training fold "
              "(`postnorm.analysis.forecast.fit_selected`): of four variants (the penalty fixed "
@@ -367,16 +377,39 @@ def blind_lines(blind: dict | None, frozen_path: str) -> list[str]:
         lines += ["", f"Collapse ({blind['collapse']['positives']} of {blind['runs']}): AUC "
                   f"{blind['collapse']['auc']:.3f}, Brier {blind['collapse']['brier']:.3f}. "
                   f"At the floor ({blind['floor']['positives']} of {blind['runs']}): AUC "
-                  f"{blind['floor']['auc']:.3f}, Brier {blind['floor']['brier']:.3f}. Too few "
-                  "runs for deciles; each is listed:", ""]
+                  f"{blind['floor']['auc']:.3f}, Brier {blind['floor']['brier']:.3f}.", ""]
+        lines += against_baseline_lines(blind["by_archive"])
+        lines += ["Too few runs for deciles; each is listed:", ""]
         lines += markdown_table(
-            ["run", "finished", "p_collapse", "collapsed", "p_floor", "at the floor"],
-            [[r["run_id"], r["finished_at"], f"{r['p_collapse']:.2f}", cell(r["collapsed"]),
-              f"{r['p_floor']:.2f}", cell(r["floor"])] for r in blind["per_run"]])
+            ["run", "finished", "p_collapse", "depth + lr alone", "collapsed", "p_floor",
+             "at the floor"],
+            [[r["run_id"], r["finished_at"], f"{r['p_collapse']:.2f}", f"{r['p_baseline']:.2f}",
+              cell(r["collapsed"]), f"{r['p_floor']:.2f}", cell(r["floor"])]
+             for r in blind["per_run"]])
     if blind["unseen_before_freeze"]:
         lines += ["", f"{blind['unseen_before_freeze']} runs it was not fitted on had finished "
                   "before it was frozen: not blind, left out."]
     return lines + [""]
+
+
+def against_baseline_lines(by_archive: dict) -> list[str]:
+    """Per archive, the frozen collapse forecast against depth and rate alone on its blind
+    runs, with bootstrap intervals and the registered verdict (``forecast_frozen``)."""
+    def interval(s: dict, key: str, spec: str) -> str:
+        low, high = s["intervals"][key]
+        return f"{cell(s[key], spec)} [{cell(low, spec)}, {cell(high, spec)}]"
+    rows = [[f"`{a}`", str(s["runs"]), str(s["positives"]), interval(s, "auc", ".3f"),
+             interval(s, "brier", ".3f"), cell(s["baseline_auc"], ".3f"),
+             cell(s["baseline_brier"], ".3f"), interval(s, "brier_minus_baseline", "+.3f"),
+             s["verdict"]] for a, s in by_archive.items()]
+    return (["Per archive, the frozen collapse forecast against depth and rate alone (fitted by "
+             "the same rule on the frozen forecast's own runs); 95% intervals from "
+             f"{BOOTSTRAP_REPS} bootstrap resamples of the runs; the verdict by the rule "
+             "`configs/sweeps/forecast_blind.py` registered before its runs (better: the "
+             "Brier difference's interval below 0; worse: above 0; else not shown better):", ""]
+            + markdown_table(["archive", "runs", "collapsed", "AUC [95%]", "Brier [95%]",
+                              "depth + lr: AUC", "depth + lr: Brier",
+                              "Brier difference [95%]", "verdict"], rows) + [""])
 
 
 def variant_lines(result: dict) -> list[str]:

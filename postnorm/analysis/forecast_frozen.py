@@ -21,6 +21,8 @@ from postnorm.files import make_output_dir, write_json_atomic
 
 FROZEN_KEYS = ("collapse", "floor", "log_onset", "range", "run_ids", "frozen_at")
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%S"  # the records' ``finished_at``
+BOOTSTRAP_REPS = 4000
+BOOTSTRAP_SEED = 0
 
 
 class FrozenForecastError(UserError):
@@ -64,11 +66,51 @@ def read_frozen(path: str) -> dict:
     return models
 
 
+def baseline_model(models: dict, rows: list[dict]) -> fc.Linear:
+    """Depth and rate alone (``fc.BASELINE``) for collapse, fitted by the forecast's rule
+    (``fit_selected``, inner folds by method) on the rows of the runs ``models`` was fitted on."""
+    fitted = [r for r in rows if r["run_id"] in set(models["run_ids"])]
+    folds = fc.Folds(fc.design(fitted, fc.BASELINE), [r["collapsed"] for r in fitted],
+                     [{("inner", r["method"])} for r in fitted], fc.BASELINE)
+    return fc.fit_selected(folds)[0]
+
+
+def bootstrap_intervals(y_N, p_N, q_N, reps: int = BOOTSTRAP_REPS,
+                        seed: int = BOOTSTRAP_SEED) -> dict[str, list[float]]:
+    """95% percentile intervals over the runs resampled with replacement: the AUC and Brier
+    score of ``p_N``, and its Brier score minus that of ``q_N`` on the same runs (paired). A
+    resample of one outcome has no AUC and is left out of the AUC's interval."""
+    y_N, p_N, q_N = (np.asarray(a, np.float64) for a in (y_N, p_N, q_N))
+    index_RxN = np.random.default_rng(seed).integers(0, len(y_N), (reps, len(y_N)))
+    stats = {"auc": [fc.auc(y_N[i], p_N[i]) for i in index_RxN],
+             "brier": [fc.brier(y_N[i], p_N[i]) for i in index_RxN],
+             "brier_minus_baseline": [fc.brier(y_N[i], p_N[i]) - fc.brier(y_N[i], q_N[i])
+                                      for i in index_RxN]}
+    return {k: [float(v) for v in np.nanpercentile(np.array(s), [2.5, 97.5])] if
+            np.isfinite(s).any() else [float("nan")] * 2 for k, s in stats.items()}
+
+
+def against_baseline(y_N, p_N, q_N) -> dict:
+    """The collapse forecast ``p_N`` beside depth and rate alone ``q_N`` on the same runs, with
+    ``bootstrap_intervals`` and the verdict the blind sweep registered: ``better`` where the
+    Brier difference's interval lies below 0, ``worse`` above, else ``not shown better``."""
+    intervals = bootstrap_intervals(y_N, p_N, q_N)
+    low, high = intervals["brier_minus_baseline"]
+    return {"runs": len(y_N), "positives": int(np.sum(y_N)), "auc": fc.auc(y_N, p_N),
+            "brier": fc.brier(y_N, p_N), "baseline_auc": fc.auc(y_N, q_N),
+            "baseline_brier": fc.brier(y_N, q_N),
+            "brier_minus_baseline": fc.brier(y_N, p_N) - fc.brier(y_N, q_N),
+            "intervals": intervals,
+            "verdict": "better" if high < 0 else "worse" if low > 0 else "not shown better"}
+
+
 def blind_test(models: dict, rows: list[dict]) -> dict:
-    """``models`` (``read_frozen``) on ``rows`` (``archived_rows``, each with ``finished_at``):
-    the probabilities, AUC and Brier score of collapse and of the floor on the runs that
-    finished after ``frozen_at``; the runs it was not fitted on that had finished by then are
-    counted apart (not blind). Runs are named by id, which must be unique across ``rows``."""
+    """``models`` (``read_frozen``) on ``rows`` (``archived_rows``, each with ``finished_at``,
+    ``method`` and ``archive``): the probabilities, AUC and Brier score of collapse and of the
+    floor on the runs that finished after ``frozen_at``, and per archive the collapse forecast
+    against depth and rate alone (``against_baseline``); the runs it was not fitted on that had
+    finished by then are counted apart (not blind). Runs are named by id, which must be unique
+    across ``rows``."""
     ids = [r["run_id"] for r in rows]
     if twice := sorted({i for i in ids if ids.count(i) > 1}):
         raise FrozenForecastError(f"run ids {twice} are in more than one archive: the frozen "
@@ -87,9 +129,18 @@ def blind_test(models: dict, rows: list[dict]) -> dict:
         y_N = np.array([r[key] for r in blind])
         result[target] = {"positives": int(y_N.sum()), "auc": fc.auc(y_N, p_by_target[target]),
                           "brier": fc.brier(y_N, p_by_target[target])}
-    result["per_run"] = [{"run_id": r["run_id"], "finished_at": r["finished_at"],
+    q_N = fc.probability(baseline_model(models, rows), fc.design(blind, fc.BASELINE))
+    y_N = np.array([r["collapsed"] for r in blind])
+    archive_N = np.array([r["archive"] for r in blind])
+    result["by_archive"] = {a: against_baseline(y_N[archive_N == a],
+                                                p_by_target["collapse"][archive_N == a],
+                                                q_N[archive_N == a])
+                            for a in dict.fromkeys(r["archive"] for r in blind)}
+    result["per_run"] = [{"run_id": r["run_id"], "archive": r["archive"],
+                          "finished_at": r["finished_at"],
                           "p_collapse": float(p_by_target["collapse"][i]),
                           "collapsed": r["collapsed"],
+                          "p_baseline": float(q_N[i]),
                           "p_floor": float(p_by_target["floor"][i]), "floor": r["floor"]}
                          for i, r in enumerate(blind)]
     return result

@@ -7,12 +7,16 @@ import sys
 
 import numpy as np
 import pytest
+from scipy import stats
 
 from configs.sweeps import protocol
 from postnorm.analysis import forecast as fc
 from postnorm.analysis.forecast_frozen import (
     FrozenForecastError,
+    against_baseline,
+    baseline_model,
     blind_test,
+    bootstrap_intervals,
     freeze,
     read_frozen,
 )
@@ -22,7 +26,7 @@ from tests.committed import assert_json_matches
 from tests.reliability_helpers import REPO
 
 FROZEN = FORECAST_DIR / "frozen_model.json"
-ARCHIVES = ("results/leaderboard/runs", "results/protocol/runs")
+ARCHIVES = ("results/leaderboard/runs", "results/protocol/runs", "results/forecast_blind/runs")
 
 
 def _by_hand(model: dict, inputs: dict) -> float:
@@ -42,14 +46,15 @@ def test_the_blind_test_scores_only_the_runs_that_finished_after_the_freeze():
     rng = np.random.default_rng(0)
     models = {"collapse": _linear(rng), "floor": _linear(rng), "log_onset": _linear(rng),
               "range": {}, "run_ids": ["fitted0", "fitted1"], "frozen_at": "2026-01-02T00:00:00"}
-    rows = [{"run_id": run_id, "finished_at": at, "early": {},
+    rows = [{"run_id": run_id, "finished_at": at, "early": {}, "method": f"m{i % 3}",
+             "archive": "a" if i < 10 else "b",
              "inputs": dict(zip(fc.STEP0, rng.normal(size=len(fc.STEP0)), strict=True)),
              "collapsed": bool(rng.random() < 0.5), "floor": bool(rng.random() < 0.5)}
-            for run_id, at in [("fitted0", "2026-01-01T00:00:00"),
+            for i, (run_id, at) in enumerate([("fitted0", "2026-01-01T00:00:00"),
                                ("fitted1", "2026-01-03T00:00:00"),  # fitted: never blind
                                ("early", "2026-01-01T12:00:00"),  # not fitted, yet seen
                                ("at_the_freeze", "2026-01-02T00:00:00")]  # finished by then
-            + [(f"new{i}", f"2026-01-0{3 + i % 5}T00:00:00") for i in range(12)]]
+            + [(f"new{i}", f"2026-01-0{3 + i % 5}T00:00:00") for i in range(12)])]
     result = blind_test(models, rows)
     blind = rows[4:]
     assert [r["run_id"] for r in result["per_run"]] == [r["run_id"] for r in blind]
@@ -62,9 +67,59 @@ def test_the_blind_test_scores_only_the_runs_that_finished_after_the_freeze():
         assert result[target]["auc"] == pytest.approx(_independent_auc(y, p), rel=1e-12)
         assert result[target]["brier"] == pytest.approx(np.mean((np.array(p) - y) ** 2))
         assert result[target]["positives"] == sum(y)
+    assert sorted(result["by_archive"]) == ["a", "b"]
+    for archive, scored in result["by_archive"].items():
+        mine = [(r, run) for r, run in zip(blind, result["per_run"], strict=True)
+                if r["archive"] == archive]
+        assert scored["runs"] == len(mine)
+        assert scored["auc"] == pytest.approx(_independent_auc(
+            [r["collapsed"] for r, _ in mine], [run["p_collapse"] for _, run in mine]))
+        assert scored["baseline_brier"] == pytest.approx(np.mean(
+            [(run["p_baseline"] - r["collapsed"]) ** 2 for r, run in mine]))
     assert blind_test(models, rows[:4])["runs"] == 0
     with pytest.raises(FrozenForecastError, match=r"\['new0'\] are in more than one archive"):
         blind_test(models, rows + rows[4:5])
+
+
+def test_the_bootstrap_intervals_agree_with_scipys_paired_percentile_bootstrap():
+    rng = np.random.default_rng(3)
+    y = rng.random(60) < 0.4
+    p = np.clip(0.4 + 0.3 * (y - 0.4) + rng.normal(0, 0.2, 60), 0.01, 0.99)
+    q = np.full(60, 0.4)
+    ours = bootstrap_intervals(y, p, q, reps=20000, seed=1)
+    statistics = {"auc": lambda y_, p_, q_: _independent_auc(y_.astype(bool), p_),
+                  "brier": lambda y_, p_, q_: np.mean((p_ - y_) ** 2),
+                  "brier_minus_baseline": lambda y_, p_, q_: np.mean((p_ - y_) ** 2
+                                                                     - (q_ - y_) ** 2)}
+    for key, statistic in statistics.items():
+        theirs = stats.bootstrap((y.astype(float), p, q), statistic, paired=True,
+                                 vectorized=False, n_resamples=20000, method="percentile",
+                                 random_state=2).confidence_interval
+        width = theirs.high - theirs.low
+        assert ours[key] == pytest.approx([theirs.low, theirs.high], abs=0.05 * width), key
+
+
+def test_the_registered_verdict_reads_the_brier_differences_interval():
+    rng = np.random.default_rng(4)
+    y = rng.random(80) < 0.5
+    sharp, vague = np.where(y, 0.9, 0.1), np.full(80, 0.5)
+    noisy = np.clip(vague + rng.normal(0, 0.02, 80), 0, 1)
+    assert against_baseline(y, sharp, vague)["verdict"] == "better"
+    assert against_baseline(y, vague, sharp)["verdict"] == "worse"
+    assert against_baseline(y, noisy, vague)["verdict"] == "not shown better"
+
+
+def test_the_baseline_is_fitted_on_the_frozen_forecasts_runs_alone():
+    rng = np.random.default_rng(5)
+    rows = [{"run_id": f"r{i}", "method": f"m{i % 4}", "early": {},
+             "inputs": dict(zip(fc.STEP0, rng.normal(size=len(fc.STEP0)), strict=True)),
+             "collapsed": bool(rng.random() < 0.5)} for i in range(60)]
+    models = {"run_ids": [f"r{i}" for i in range(40)]}
+    flipped = rows[:40] + [r | {"collapsed": not r["collapsed"]} for r in rows[40:]]
+    x = fc.design(rows, fc.BASELINE)
+    np.testing.assert_array_equal(fc.probability(baseline_model(models, rows), x),
+                                  fc.probability(baseline_model(models, flipped), x))
+    assert baseline_model(models, rows).names == fc.BASELINE
 
 
 def test_a_frozen_forecast_of_other_inputs_or_none_is_refused_with_the_fix(tmp_path):

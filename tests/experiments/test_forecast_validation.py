@@ -69,10 +69,11 @@ def test_each_archives_runs_are_counted_from_its_records(tmp_path):
     counts = counted["counts"]
     assert not counted["skipped"]
     for directory, monitored in ((measured, True), (unmeasured, False)):
-        done = [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
-        done = [e for e in done if e["result"]["status"] == "done"]
+        entries = [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))]
+        done = [e for e in entries if e["result"]["status"] == "done"]
         assert counts[str(directory)] == {
             "runs": len(done), "collapsed": sum(e["result"]["collapse"]["collapsed"] for e in done),
+            "nonfinite": sum(e["result"]["status"] == "nonfinite" for e in entries),
             "at_the_floor": sum((e["measures"]["fresh_loss_over_lfreq"] if monitored else
                                  e["result"]["final_eval_loss"] / e["result"]["eval_floor"])
                                 >= 0.95 for e in done),
