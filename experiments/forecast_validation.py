@@ -30,11 +30,12 @@ import matplotlib
 import numpy as np
 from absl import app, flags
 
-from configs.sweeps import protocol
+from configs.sweeps import forecast_blind, protocol
 from postnorm.analysis import forecast as fc
 from postnorm.analysis.figures import save_figure
 from postnorm.analysis.forecast_frozen import (
     BOOTSTRAP_REPS,
+    VERDICT_MIN_RUNS,
     blind_test,
     check_unfrozen,
     freeze,
@@ -100,16 +101,32 @@ def archived_rows(archives: list[str]) -> tuple[list[dict], list[str]]:
     return rows, skipped
 
 
-def archive_counts(rows: list[dict], archives: list[str]) -> dict[str, dict]:
+def stopped_rows(archives: list[str]) -> list[dict]:
+    """The archived runs stopped on a non-finite step (no verdict), each with its archive,
+    ``finished_at`` and step-0 inputs (none where the forecast cannot read its config)."""
+    rows = []
+    for directory in archives:
+        for entry in read_archive(directory):
+            if entry["result"].get("status") == "nonfinite":
+                try:
+                    inputs = fc.step0_inputs(entry["config"])
+                except fc.ForecastError:
+                    inputs = None
+                rows.append({"run_id": entry["run_id"], "archive": directory, "early": {},
+                             "finished_at": entry["result"]["finished_at"], "inputs": inputs})
+    return rows
+
+
+def archive_counts(rows: list[dict], stopped: list[dict],
+                   archives: list[str]) -> dict[str, dict]:
     """Per archive: its runs read, collapsed, at the floor (by which loss) and monitored, and
-    its records stopped on a non-finite step (no verdict)."""
+    its runs stopped on a non-finite step (``stopped_rows``)."""
     counts = {}
     for directory in archives:
         mine = [r for r in rows if r["archive"] == directory]
         counts[directory] = {
             "runs": len(mine), "collapsed": sum(r["collapsed"] for r in mine),
-            "nonfinite": sum(e["result"].get("status") == "nonfinite"
-                             for e in read_archive(directory)),
+            "nonfinite": sum(r["archive"] == directory for r in stopped),
             "at_the_floor": sum(r["floor"] for r in mine),
             "floor_from_fresh_batches": sum(r["floor_loss"] == "fresh" for r in mine),
             "floor_from_held_out_loss": sum(r["floor_loss"] == "eval" for r in mine),
@@ -183,7 +200,17 @@ def monitor_leads(rows: list[dict]) -> list[dict]:
     return out
 
 
-def validate(rows: list[dict], archives: list[str]) -> dict:
+def blind_sweep_status(rows: list[dict], stopped: list[dict], archives: list[str]) -> dict:
+    """The registered blind sweep's archive (``configs/sweeps/forecast_blind.py``) among
+    ``archives``, if read, and how many of its drawn runs have ended (with a verdict or
+    stopped): its verdict is final once all have."""
+    mine = [a for a in archives if os.path.abspath(a) == os.path.abspath(forecast_blind.ARCHIVE)]
+    ended = {r["run_id"] for r in rows + stopped if r["archive"] in mine}
+    return {"archive": mine[0] if mine else None, "runs": forecast_blind.RUNS,
+            "ended": len(ended & set(forecast_blind.registered_ids()))}
+
+
+def validate(rows: list[dict], stopped: list[dict], archives: list[str]) -> dict:
     y_N = np.array([r["collapsed"] for r in rows])
     floor_N = np.array([r["floor"] for r in rows])
     monitored_N = np.array([r["monitored"] for r in rows])
@@ -242,7 +269,8 @@ def validate(rows: list[dict], archives: list[str]) -> dict:
                            "stated_and_within_one_interval": int(sum(stated))}
         schemes[scheme] = result
     return {"runs": len(rows), "collapsed": int(y_N.sum()), "at_the_floor": int(floor_N.sum()),
-            "monitored": int(monitored_N.sum()), "archives": archive_counts(rows, archives),
+            "monitored": int(monitored_N.sum()),
+            "archives": archive_counts(rows, stopped, archives),
             "seed_split_brier": seed_split_brier(rows),
             "rule": {"tsim_threshold": DEFAULT_RULE.tsim_threshold,
                      "layer_fraction": DEFAULT_RULE.layer_fraction,
@@ -334,7 +362,7 @@ def markdown(report: dict, models: dict) -> str:
                                 [[w["run_id"], f"{w['p_collapse']:.2f}", cell(w["collapsed"]),
                                   w["why"]] for w in result["wrong"]])
         lines.append("")
-    lines += blind_lines(report["blind"], report["frozen_path"])
+    lines += blind_lines(report["blind"], report["frozen_path"], report["blind_sweep"])
     lines += ["## The model fitted on every run (`model.json`)", ""]
     for target, label in (("collapse", "Collapse"), ("floor", "Floor")):
         pick = models["selection"][target]
@@ -361,7 +389,7 @@ def markdown(report: dict, models: dict) -> str:
     return "\n".join(lines)
 
 
-def blind_lines(blind: dict | None, frozen_path: str) -> list[str]:
+def blind_lines(blind: dict | None, frozen_path: str, sweep: dict) -> list[str]:
     """The frozen forecast's blind test (``forecast_frozen.blind_test``), or that none ran."""
     lines = ["## Blind: the frozen forecast on the runs that finished after it", ""]
     if blind is None:
@@ -378,7 +406,7 @@ def blind_lines(blind: dict | None, frozen_path: str) -> list[str]:
                   f"{blind['collapse']['auc']:.3f}, Brier {blind['collapse']['brier']:.3f}. "
                   f"At the floor ({blind['floor']['positives']} of {blind['runs']}): AUC "
                   f"{blind['floor']['auc']:.3f}, Brier {blind['floor']['brier']:.3f}.", ""]
-        lines += against_baseline_lines(blind["by_archive"])
+        lines += against_baseline_lines(blind["by_archive"], sweep)
         lines += ["Too few runs for deciles; each is listed:", ""]
         lines += markdown_table(
             ["run", "finished", "p_collapse", "depth + lr alone", "collapsed", "p_floor",
@@ -386,27 +414,45 @@ def blind_lines(blind: dict | None, frozen_path: str) -> list[str]:
             [[r["run_id"], r["finished_at"], f"{r['p_collapse']:.2f}", f"{r['p_baseline']:.2f}",
               cell(r["collapsed"]), f"{r['p_floor']:.2f}", cell(r["floor"])]
              for r in blind["per_run"]])
+    if blind["stopped"]:
+        lines += ["", f"{len(blind['stopped'])} blind runs stopped on a non-finite step (no "
+                  "verdict, unscored), with the frozen forecast's probability of collapse:", ""]
+        lines += markdown_table(["run", "finished", "p_collapse"],
+                                [[r["run_id"], r["finished_at"], f"{r['p_collapse']:.2f}"]
+                                 for r in blind["stopped"]])
     if blind["unseen_before_freeze"]:
         lines += ["", f"{blind['unseen_before_freeze']} runs it was not fitted on had finished "
                   "before it was frozen: not blind, left out."]
     return lines + [""]
 
 
-def against_baseline_lines(by_archive: dict) -> list[str]:
+def against_baseline_lines(by_archive: dict, sweep: dict) -> list[str]:
     """Per archive, the frozen collapse forecast against depth and rate alone on its blind
-    runs, with bootstrap intervals and the registered verdict (``forecast_frozen``)."""
+    runs, with bootstrap intervals and the verdict: registered for the blind sweep's archive
+    (``blind_sweep_status``; interim until all its runs have ended), after the runs elsewhere."""
+    def number(value: float, spec: str) -> str:
+        return "–" if np.isnan(value) else format(value, spec)
+
     def interval(s: dict, key: str, spec: str) -> str:
         low, high = s["intervals"][key]
-        return f"{cell(s[key], spec)} [{cell(low, spec)}, {cell(high, spec)}]"
+        return f"{number(s[key], spec)} [{number(low, spec)}, {number(high, spec)}]"
+
+    def verdict(archive: str, s: dict) -> str:
+        if archive != sweep["archive"]:
+            return f"{s['verdict']} (rule applied after the runs)"
+        if sweep["ended"] < sweep["runs"]:
+            return f"interim: {s['verdict']} ({sweep['ended']} of {sweep['runs']} runs ended)"
+        return f"{s['verdict']} (registered)"
     rows = [[f"`{a}`", str(s["runs"]), str(s["positives"]), interval(s, "auc", ".3f"),
-             interval(s, "brier", ".3f"), cell(s["baseline_auc"], ".3f"),
-             cell(s["baseline_brier"], ".3f"), interval(s, "brier_minus_baseline", "+.3f"),
-             s["verdict"]] for a, s in by_archive.items()]
+             interval(s, "brier", ".3f"), number(s["baseline_auc"], ".3f"),
+             number(s["baseline_brier"], ".3f"), interval(s, "brier_minus_baseline", "+.3f"),
+             verdict(a, s)] for a, s in by_archive.items()]
     return (["Per archive, the frozen collapse forecast against depth and rate alone (fitted by "
-             "the same rule on the frozen forecast's own runs); 95% intervals from "
+             "the same rule on the runs the frozen forecast was fitted on); 95% intervals from "
              f"{BOOTSTRAP_REPS} bootstrap resamples of the runs; the verdict by the rule "
              "`configs/sweeps/forecast_blind.py` registered before its runs (better: the "
-             "Brier difference's interval below 0; worse: above 0; else not shown better):", ""]
+             "Brier difference's interval below 0; worse: above 0; else not shown better; "
+             f"none under {VERDICT_MIN_RUNS} runs):", ""]
             + markdown_table(["archive", "runs", "collapsed", "AUC [95%]", "Brier [95%]",
                               "depth + lr: AUC", "depth + lr: Brier",
                               "Brier difference [95%]", "verdict"], rows) + [""])
@@ -456,13 +502,16 @@ def main(argv: list[str]) -> None:
     if FLAGS.freeze:
         check_unfrozen(FLAGS.frozen)  # before the fit
     rows, skipped = archived_rows(FLAGS.archive)
+    stopped = stopped_rows(FLAGS.archive)
     models = fc.fit_forecast(rows, [r["method"] for r in rows])
     if FLAGS.freeze:
         freeze(FLAGS.frozen, models)
-    blind = (blind_test(read_frozen(FLAGS.frozen), rows) if os.path.exists(FLAGS.frozen)
-             else None)
-    report = validate(rows, FLAGS.archive) | {"skipped": skipped, "frozen_path": FLAGS.frozen,
-                                              "blind": blind}
+    blind = (blind_test(read_frozen(FLAGS.frozen), rows,
+                        [r for r in stopped if r["inputs"] is not None])
+             if os.path.exists(FLAGS.frozen) else None)
+    report = validate(rows, stopped, FLAGS.archive) | {
+        "skipped": skipped, "frozen_path": FLAGS.frozen, "blind": blind,
+        "blind_sweep": blind_sweep_status(rows, stopped, FLAGS.archive)}
     write_json_atomic(os.path.join(out_dir, "model.json"), models)
     write_json_atomic(os.path.join(out_dir, "validation.json"), report)
     table = markdown(report, models)

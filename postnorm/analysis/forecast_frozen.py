@@ -14,6 +14,7 @@ import os
 import time
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from postnorm.analysis import forecast as fc
 from postnorm.errors import UserError
@@ -23,6 +24,7 @@ FROZEN_KEYS = ("collapse", "floor", "log_onset", "range", "run_ids", "frozen_at"
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%S"  # the records' ``finished_at``
 BOOTSTRAP_REPS = 4000
 BOOTSTRAP_SEED = 0
+VERDICT_MIN_RUNS = 10  # fewer blind runs in an archive: no verdict against depth and rate
 
 
 class FrozenForecastError(UserError):
@@ -68,14 +70,22 @@ def read_frozen(path: str) -> dict:
 
 def baseline_model(models: dict, rows: list[dict]) -> fc.Linear:
     """Depth and rate alone (``fc.BASELINE``) for collapse, fitted by the forecast's rule
-    (``fit_selected``, inner folds by method) on the rows of the runs ``models`` was fitted on."""
-    fitted = [r for r in rows if r["run_id"] in set(models["run_ids"])]
+    (``fit_selected``, inner folds by method) on the rows of the runs ``models`` was fitted on,
+    which must all be in ``rows``."""
+    fitted_ids = set(models["run_ids"])
+    fitted = [r for r in rows if r["run_id"] in fitted_ids]
+    if len(fitted) < len(fitted_ids):
+        raise FrozenForecastError(
+            f"{len(fitted_ids) - len(fitted)} of the {len(fitted_ids)} runs the frozen forecast "
+            "was fitted on are not in --archive, so depth and rate alone cannot be fitted on the "
+            "same runs: give every archive it was fitted on, or --frozen='' for no blind test")
     folds = fc.Folds(fc.design(fitted, fc.BASELINE), [r["collapsed"] for r in fitted],
                      [{("inner", r["method"])} for r in fitted], fc.BASELINE)
     return fc.fit_selected(folds)[0]
 
 
-def bootstrap_intervals(y_N, p_N, q_N, reps: int = BOOTSTRAP_REPS,
+def bootstrap_intervals(y_N: ArrayLike, p_N: ArrayLike, q_N: ArrayLike,
+                        reps: int = BOOTSTRAP_REPS,
                         seed: int = BOOTSTRAP_SEED) -> dict[str, list[float]]:
     """95% percentile intervals over the runs resampled with replacement: the AUC and Brier
     score of ``p_N``, and its Brier score minus that of ``q_N`` on the same runs (paired). A
@@ -90,26 +100,30 @@ def bootstrap_intervals(y_N, p_N, q_N, reps: int = BOOTSTRAP_REPS,
             np.isfinite(s).any() else [float("nan")] * 2 for k, s in stats.items()}
 
 
-def against_baseline(y_N, p_N, q_N) -> dict:
+def against_baseline(y_N: ArrayLike, p_N: ArrayLike, q_N: ArrayLike) -> dict:
     """The collapse forecast ``p_N`` beside depth and rate alone ``q_N`` on the same runs, with
     ``bootstrap_intervals`` and the verdict the blind sweep registered: ``better`` where the
-    Brier difference's interval lies below 0, ``worse`` above, else ``not shown better``."""
+    Brier difference's interval lies below 0, ``worse`` above, else ``not shown better``; none
+    (``too few runs``) under ``VERDICT_MIN_RUNS`` runs."""
     intervals = bootstrap_intervals(y_N, p_N, q_N)
     low, high = intervals["brier_minus_baseline"]
+    verdict = ("too few runs" if len(y_N) < VERDICT_MIN_RUNS else "better" if high < 0
+               else "worse" if low > 0 else "not shown better")
     return {"runs": len(y_N), "positives": int(np.sum(y_N)), "auc": fc.auc(y_N, p_N),
             "brier": fc.brier(y_N, p_N), "baseline_auc": fc.auc(y_N, q_N),
             "baseline_brier": fc.brier(y_N, q_N),
             "brier_minus_baseline": fc.brier(y_N, p_N) - fc.brier(y_N, q_N),
-            "intervals": intervals,
-            "verdict": "better" if high < 0 else "worse" if low > 0 else "not shown better"}
+            "intervals": intervals, "verdict": verdict}
 
 
-def blind_test(models: dict, rows: list[dict]) -> dict:
+def blind_test(models: dict, rows: list[dict], stopped: list[dict] = ()) -> dict:
     """``models`` (``read_frozen``) on ``rows`` (``archived_rows``, each with ``finished_at``,
     ``method`` and ``archive``): the probabilities, AUC and Brier score of collapse and of the
     floor on the runs that finished after ``frozen_at``, and per archive the collapse forecast
     against depth and rate alone (``against_baseline``); the runs it was not fitted on that had
-    finished by then are counted apart (not blind). Runs are named by id, which must be unique
+    finished by then are counted apart (not blind). ``stopped``: runs without a verdict (each
+    with ``run_id``, ``archive``, ``finished_at``, ``inputs``), those after ``frozen_at`` listed
+    with their probability of collapse, unscored. Runs are named by id, which must be unique
     across ``rows``."""
     ids = [r["run_id"] for r in rows]
     if twice := sorted({i for i in ids if ids.count(i) > 1}):
@@ -119,7 +133,13 @@ def blind_test(models: dict, rows: list[dict]) -> dict:
     unseen = [r for r in rows if r["run_id"] not in fitted]
     blind = [r for r in unseen if r["finished_at"] > models["frozen_at"]]
     result = {"frozen_at": models["frozen_at"], "fitted_runs": len(fitted),
-              "runs": len(blind), "unseen_before_freeze": len(unseen) - len(blind), "per_run": []}
+              "runs": len(blind), "unseen_before_freeze": len(unseen) - len(blind), "per_run": [],
+              "stopped": [{"run_id": r["run_id"], "archive": r["archive"],
+                           "finished_at": r["finished_at"],
+                           "p_collapse": float(fc.probability(
+                               fc.Linear.from_json(models["collapse"]),
+                               fc.design([r], fc.STEP0))[0])}
+                          for r in stopped if r["finished_at"] > models["frozen_at"]]}
     if not blind:
         return result
     x_NxF = fc.design(blind, fc.STEP0)

@@ -44,8 +44,9 @@ def _linear(rng) -> dict:
 
 def test_the_blind_test_scores_only_the_runs_that_finished_after_the_freeze():
     rng = np.random.default_rng(0)
+    fitted_ids = ["fitted0", "fitted1"] + [f"fit{i}" for i in range(16)]
     models = {"collapse": _linear(rng), "floor": _linear(rng), "log_onset": _linear(rng),
-              "range": {}, "run_ids": ["fitted0", "fitted1"], "frozen_at": "2026-01-02T00:00:00"}
+              "range": {}, "run_ids": fitted_ids, "frozen_at": "2026-01-02T00:00:00"}
     rows = [{"run_id": run_id, "finished_at": at, "early": {}, "method": f"m{i % 3}",
              "archive": "a" if i < 10 else "b",
              "inputs": dict(zip(fc.STEP0, rng.normal(size=len(fc.STEP0)), strict=True)),
@@ -55,11 +56,28 @@ def test_the_blind_test_scores_only_the_runs_that_finished_after_the_freeze():
                                ("early", "2026-01-01T12:00:00"),  # not fitted, yet seen
                                ("at_the_freeze", "2026-01-02T00:00:00")]  # finished by then
             + [(f"new{i}", f"2026-01-0{3 + i % 5}T00:00:00") for i in range(12)])]
-    result = blind_test(models, rows)
-    blind = rows[4:]
+    rows += [{"run_id": f"fit{i}", "finished_at": "2026-01-01T00:00:00", "early": {},
+              "method": f"m{i % 3}", "archive": "a", "collapsed": bool(i % 2), "floor": False,
+              "inputs": dict(zip(fc.STEP0, rng.normal(size=len(fc.STEP0)), strict=True))}
+             for i in range(16)]
+    stopped = [{"run_id": run_id, "finished_at": at, "early": {}, "archive": "b",
+                "inputs": dict(zip(fc.STEP0, rng.normal(size=len(fc.STEP0)), strict=True))}
+               for run_id, at in (("diverged_before", "2026-01-01T00:00:00"),
+                                  ("diverged_after", "2026-01-04T00:00:00"))]
+    result = blind_test(models, rows, stopped)
+    blind = rows[4:16]
+    assert [r["run_id"] for r in result["stopped"]] == ["diverged_after"]
+    assert result["stopped"][0]["p_collapse"] == pytest.approx(
+        _by_hand(models["collapse"], stopped[1]["inputs"]), rel=1e-12)
+    fitted = [r for r in rows if r["run_id"] in fitted_ids]
+    baseline, _ = fc.fit_selected(fc.Folds(
+        fc.design(fitted, fc.BASELINE), [r["collapsed"] for r in fitted],
+        [{("inner", r["method"])} for r in fitted], fc.BASELINE))
+    np.testing.assert_allclose([r["p_baseline"] for r in result["per_run"]],
+                               fc.probability(baseline, fc.design(blind, fc.BASELINE)))
     assert [r["run_id"] for r in result["per_run"]] == [r["run_id"] for r in blind]
     assert (result["runs"], result["unseen_before_freeze"], result["fitted_runs"],
-            result["frozen_at"]) == (12, 2, 2, "2026-01-02T00:00:00")
+            result["frozen_at"]) == (12, 2, 18, "2026-01-02T00:00:00")
     for target, key in (("collapse", "collapsed"), ("floor", "floor")):
         p = [_by_hand(models[target], r["inputs"]) for r in blind]
         y = [r[key] for r in blind]
@@ -76,9 +94,11 @@ def test_the_blind_test_scores_only_the_runs_that_finished_after_the_freeze():
             [r["collapsed"] for r, _ in mine], [run["p_collapse"] for _, run in mine]))
         assert scored["baseline_brier"] == pytest.approx(np.mean(
             [(run["p_baseline"] - r["collapsed"]) ** 2 for r, run in mine]))
-    assert blind_test(models, rows[:4])["runs"] == 0
+    assert blind_test(models, rows[:4] + rows[16:])["runs"] == 0
     with pytest.raises(FrozenForecastError, match=r"\['new0'\] are in more than one archive"):
         blind_test(models, rows + rows[4:5])
+    with pytest.raises(FrozenForecastError, match="2 of the 18 runs .* are not in --archive"):
+        blind_test(models, rows[2:])
 
 
 def test_the_bootstrap_intervals_agree_with_scipys_paired_percentile_bootstrap():
@@ -94,7 +114,7 @@ def test_the_bootstrap_intervals_agree_with_scipys_paired_percentile_bootstrap()
     for key, statistic in statistics.items():
         theirs = stats.bootstrap((y.astype(float), p, q), statistic, paired=True,
                                  vectorized=False, n_resamples=20000, method="percentile",
-                                 random_state=2).confidence_interval
+                                 rng=2).confidence_interval
         width = theirs.high - theirs.low
         assert ours[key] == pytest.approx([theirs.low, theirs.high], abs=0.05 * width), key
 
@@ -107,6 +127,10 @@ def test_the_registered_verdict_reads_the_brier_differences_interval():
     assert against_baseline(y, sharp, vague)["verdict"] == "better"
     assert against_baseline(y, vague, sharp)["verdict"] == "worse"
     assert against_baseline(y, noisy, vague)["verdict"] == "not shown better"
+    assert against_baseline(y[:9], sharp[:9], vague[:9])["verdict"] == "too few runs"
+    one_class = against_baseline(np.zeros(12, bool), np.full(12, 0.2), np.full(12, 0.3))
+    assert np.isnan(one_class["auc"]) and np.isnan(one_class["intervals"]["auc"]).all()
+    assert one_class["verdict"] == "better"  # 0.04 < 0.09 on every resample
 
 
 def test_the_baseline_is_fitted_on_the_frozen_forecasts_runs_alone():

@@ -22,7 +22,8 @@ import json, sys
 from experiments import forecast_validation as fv
 archives = sys.argv[1:]
 rows, skipped = fv.archived_rows(archives)
-print(json.dumps({"skipped": skipped, "counts": fv.archive_counts(rows, archives)}))
+stopped = fv.stopped_rows(archives)
+print(json.dumps({"skipped": skipped, "counts": fv.archive_counts(rows, stopped, archives)}))
 """
 
 
@@ -105,3 +106,31 @@ def test_the_committed_report_scores_each_archive_on_its_own_runs():
         assert confirmation["auc"] == pytest.approx(_independent_auc(
             [r["collapsed"] for r in monitored], [r["first_warn"] is not None for r in monitored]),
             rel=1e-9)
+
+
+VERDICT_LINES = """
+import json, sys
+import numpy as np
+from experiments import forecast_validation as fv
+from postnorm.analysis.forecast_frozen import against_baseline
+y = np.arange(12) % 2 == 0
+scored = against_baseline(y, np.where(y, 0.9, 0.1), np.full(12, 0.5))
+one_class = against_baseline(np.zeros(12, bool), np.full(12, 0.2), np.full(12, 0.3))
+by_archive = {"sweep": scored, "other": scored, "none_collapsed": one_class}
+print(json.dumps([fv.against_baseline_lines(by_archive, {"archive": "sweep", "runs": 40,
+                                                          "ended": ended})
+                  for ended in (39, 40)]))
+"""
+
+
+def test_the_blind_verdict_is_interim_until_the_registered_sweep_has_ended():
+    result = subprocess.run([sys.executable, "-c", VERDICT_LINES], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    interim, final = (dict((line.split(" | ")[0].strip("| `"), line) for line in lines
+                           if line.startswith("| `")) for lines in json.loads(result.stdout))
+    assert interim["sweep"].endswith("| interim: better (39 of 40 runs ended) |")
+    assert final["sweep"].endswith("| better (registered) |")
+    assert final["other"].endswith("| better (rule applied after the runs) |")
+    assert "| – [–, –] |" in final["none_collapsed"]  # no AUC without a collapse
+
