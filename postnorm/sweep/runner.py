@@ -162,7 +162,7 @@ def run_sweep(specs: list[RunSpec], configs: list[ml_collections.ConfigDict],
         if archive is not None and entry is None:  # before any run trains
             check_id_free(archive, spec.run_id, planned_digests(config))
     progress = SweepProgress(len(specs), workers, measured=measure is not None)
-    jobs, shape_of = [], {}
+    jobs, shapes = [], []
     for number, (spec, config, workdir, entry) in enumerate(
             zip(specs, configs, workdirs, archived, strict=True), 1):
         label = f"run {number}/{len(specs)} {spec.run_id}"
@@ -178,20 +178,21 @@ def run_sweep(specs: list[RunSpec], configs: list[ml_collections.ConfigDict],
                                   *run_times({"result": read_result(workdir)}))
         else:
             jobs.append((config, workdir, label, spec.run_id))
-            shape_of[spec.run_id] = RunShape.of(config)
+            shapes.append(RunShape.of(config))
     if jobs and workers > 1:
         load_data(jobs[0][0].data, seed=jobs[0][0].seed)  # build the shared caches once
-        jobs.sort(key=lambda job: shape_of[job[3]].flops, reverse=True)
-    left = [shape_of[job[3]] for job in jobs]
+        order = sorted(range(len(jobs)), key=lambda i: shapes[i].flops, reverse=True)
+        jobs, shapes = [jobs[i] for i in order], [shapes[i] for i in order]
+    left = list(shapes)
 
     def log_progress() -> None:
         logging.info("the sweep: %s", progress.line(left, min(workers, len(left))))
 
     def ended(index: int, returned: bool) -> None:
         _, workdir, _, run_id = jobs[index]
-        left.remove(shape_of[run_id])
+        left.remove(shapes[index])
         if returned:
-            progress.add_finished(shape_of[run_id], *_ended_run_times(workdir, archive, run_id))
+            progress.add_finished(shapes[index], *_ended_run_times(workdir, archive, run_id))
         else:
             progress.add_failed()
         log_progress()
